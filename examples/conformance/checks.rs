@@ -1,0 +1,361 @@
+//! Conformance checks against the golden vectors (format: tests/golden/README.md).
+//!
+//! Shared by the `conformance` example and `tests/conformance.rs`. Every size (blocks, widths,
+//! depths) is read from the files.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::path::Path;
+
+use burn::module::Param;
+use burn::nn::Linear;
+use burn::prelude::*;
+use burn_connectivity::{
+    Block, ConnectivityConfig, DepthLnConfig, GateInit, Hacn, HacnConfig, Stack,
+};
+
+/// Absolute tolerance for forward values (f32).
+pub const VALUE_TOLERANCE: f64 = 1e-5;
+/// Absolute tolerance for gradients (f32).
+pub const GRADIENT_TOLERANCE: f64 = 1e-4;
+
+/// One recomputed quantity compared with its golden value.
+pub struct Check {
+    /// `file.quantity`, e.g. `hacn.out.stream`.
+    pub name: String,
+    /// Largest absolute difference (infinite when the shapes differ).
+    pub max_abs_err: f64,
+    /// The tolerance it must stay within.
+    pub tolerance: f64,
+}
+
+impl Check {
+    /// Within tolerance (NaN fails).
+    pub fn passed(&self) -> bool {
+        self.max_abs_err <= self.tolerance
+    }
+}
+
+impl fmt::Display for Check {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let verdict = if self.passed() { "PASS" } else { "FAIL" };
+        write!(
+            f,
+            "{} {:.3e} {:.0e} {verdict}",
+            self.name, self.max_abs_err, self.tolerance
+        )
+    }
+}
+
+/// A golden file: named f32 tensors and the header metadata.
+pub struct Golden {
+    name: String,
+    tensors: HashMap<String, (Vec<usize>, Vec<f32>)>,
+    metadata: HashMap<String, String>,
+}
+
+type Checker = fn(&Golden, &Device) -> Result<Vec<Check>, String>;
+
+/// The golden files this runner knows, and the checks of each.
+pub const KNOWN_FILES: [(&str, Checker); 2] = [
+    ("hacn.safetensors", check_hacn),
+    ("depth_ln.safetensors", check_depth_ln),
+];
+
+/// Runs the checks of every known golden file present in `dir`.
+///
+/// Returns the checks per file found; an error if none is found or a file is malformed.
+pub fn run_dir(dir: &Path, device: &Device) -> Result<Vec<(String, Vec<Check>)>, String> {
+    let mut results = Vec::new();
+    for (file, checker) in KNOWN_FILES {
+        let path = dir.join(file);
+        if path.exists() {
+            let golden = Golden::load(&path)?;
+            results.push((file.to_string(), checker(&golden, device)?));
+        }
+    }
+    if results.is_empty() {
+        let known: Vec<&str> = KNOWN_FILES.iter().map(|(file, _)| *file).collect();
+        return Err(format!(
+            "no known golden file in {} (known: {})",
+            dir.display(),
+            known.join(", ")
+        ));
+    }
+    Ok(results)
+}
+
+impl Golden {
+    /// Reads every f32 tensor and the metadata of a safetensors file.
+    pub fn load(path: &Path) -> Result<Self, String> {
+        let bytes = std::fs::read(path).map_err(|err| format!("{}: {err}", path.display()))?;
+        let parsed = safetensors::SafeTensors::deserialize(&bytes)
+            .map_err(|err| format!("{}: {err}", path.display()))?;
+        let (_, header) = safetensors::SafeTensors::read_metadata(&bytes)
+            .map_err(|err| format!("{}: {err}", path.display()))?;
+        let mut tensors = HashMap::new();
+        for (key, view) in parsed.tensors() {
+            if view.dtype() != safetensors::Dtype::F32 {
+                return Err(format!(
+                    "{}: {key} is {:?}, expected F32",
+                    path.display(),
+                    view.dtype()
+                ));
+            }
+            let values = view
+                .data()
+                .chunks_exact(4)
+                .map(|chunk| f32::from_le_bytes([chunk[0], chunk[1], chunk[2], chunk[3]]))
+                .collect();
+            tensors.insert(key, (view.shape().to_vec(), values));
+        }
+        let name = path
+            .file_stem()
+            .map(|stem| stem.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        Ok(Self {
+            name,
+            tensors,
+            metadata: header.metadata().clone().unwrap_or_default(),
+        })
+    }
+
+    fn entry(&self, key: &str) -> Result<&(Vec<usize>, Vec<f32>), String> {
+        self.tensors
+            .get(key)
+            .ok_or_else(|| format!("{}: missing tensor `{key}`", self.name))
+    }
+
+    fn has(&self, key: &str) -> bool {
+        self.tensors.contains_key(key)
+    }
+
+    /// The tensor `key` as a rank-`D` tensor on `device`.
+    pub fn tensor<const D: usize>(&self, key: &str, device: &Device) -> Result<Tensor<D>, String> {
+        let (shape, values) = self.entry(key)?;
+        if shape.len() != D {
+            return Err(format!(
+                "{}: `{key}` has rank {}, expected {D}",
+                self.name,
+                shape.len()
+            ));
+        }
+        Ok(Tensor::from_data(
+            TensorData::new(values.clone(), shape.clone()),
+            device,
+        ))
+    }
+
+    /// The tensor `key` as f64 values.
+    pub fn values(&self, key: &str) -> Result<Vec<f64>, String> {
+        Ok(self
+            .entry(key)?
+            .1
+            .iter()
+            .map(|&value| f64::from(value))
+            .collect())
+    }
+
+    /// A numeric metadata entry.
+    pub fn meta_number(&self, key: &str) -> Result<f64, String> {
+        let text = self
+            .metadata
+            .get(key)
+            .ok_or_else(|| format!("{}: missing metadata `{key}`", self.name))?;
+        text.parse()
+            .map_err(|err| format!("{}: metadata `{key}` = {text:?}: {err}", self.name))
+    }
+
+    /// Compares `actual` with the golden tensor `key`.
+    fn compare(
+        &self,
+        key: &str,
+        actual: Vec<f64>,
+        actual_shape: &[usize],
+        tolerance: f64,
+    ) -> Result<Check, String> {
+        let (shape, expected) = self.entry(key)?;
+        let max_abs_err = if shape.as_slice() == actual_shape {
+            expected
+                .iter()
+                .zip(&actual)
+                .map(|(e, a)| (f64::from(*e) - a).abs())
+                .fold(0.0, f64::max)
+        } else {
+            f64::INFINITY
+        };
+        Ok(Check {
+            name: format!("{}.{key}", self.name),
+            max_abs_err,
+            tolerance,
+        })
+    }
+
+    fn compare_tensor<const D: usize>(
+        &self,
+        key: &str,
+        actual: Tensor<D>,
+        tolerance: f64,
+    ) -> Result<Check, String> {
+        let shape = actual.dims();
+        self.compare(
+            key,
+            actual.into_data().iter::<f64>().collect(),
+            &shape,
+            tolerance,
+        )
+    }
+}
+
+/// The golden block `f(x) = tanh(x W + b)`.
+#[derive(Module, Debug)]
+pub struct TanhBlock {
+    /// `W: [d_in, d_out]`, `b: [d_out]`.
+    pub linear: Linear,
+}
+
+impl<const D: usize> Block<D> for TanhBlock {
+    type Context = ();
+
+    fn branch(&self, input: Tensor<D>, _context: &()) -> Tensor<D> {
+        self.linear.forward(input).tanh()
+    }
+}
+
+/// Loads `prefix.{j}.weight` / `prefix.{j}.bias` for every `j` present.
+fn tanh_blocks(golden: &Golden, prefix: &str, device: &Device) -> Result<Vec<TanhBlock>, String> {
+    let mut blocks = Vec::new();
+    while golden.has(&format!("{prefix}.{}.weight", blocks.len())) {
+        let j = blocks.len();
+        let weight = golden.tensor::<2>(&format!("{prefix}.{j}.weight"), device)?;
+        let bias = golden.tensor::<1>(&format!("{prefix}.{j}.bias"), device)?;
+        blocks.push(TanhBlock {
+            linear: Linear {
+                weight: Param::from_tensor(weight),
+                bias: Some(Param::from_tensor(bias)),
+            },
+        });
+    }
+    Ok(blocks)
+}
+
+fn hacn_stack(
+    golden: &Golden,
+    config: &HacnConfig,
+    device: &Device,
+) -> Result<Stack<TanhBlock, Hacn>, String> {
+    let blocks = tanh_blocks(golden, "blocks", device)?;
+    let connectivity = config
+        .init(blocks.len(), device)
+        .map_err(|err| err.to_string())?;
+    Stack::from_parts(blocks, connectivity).map_err(|err| err.to_string())
+}
+
+/// H-ACN over the golden blocks: stream, long sum, readout, C, output column, Γ, the ResNet
+/// and ACN presets, and the gradients of the gates and block weights.
+pub fn check_hacn(golden: &Golden, device: &Device) -> Result<Vec<Check>, String> {
+    let device = device.clone().autodiff();
+    let gates = golden.values("alpha")?;
+    let input = golden.tensor::<3>("input", &device)?;
+    let probe = golden.tensor::<3>("probe", &device)?;
+    let mut checks = Vec::new();
+
+    let config = HacnConfig::new().with_init(GateInit::Values {
+        values: gates.clone(),
+    });
+    let stack = hacn_stack(golden, &config, &device)?;
+    let layers = golden.meta_number("layers")?;
+    if stack.num_blocks() != gates.len() || stack.num_blocks() as f64 != layers {
+        return Err(format!(
+            "hacn: {} gates and {} blocks for {layers} layers",
+            gates.len(),
+            stack.num_blocks()
+        ));
+    }
+    let state = stack
+        .run(input.clone(), stack.num_blocks(), &())
+        .map_err(|err| err.to_string())?;
+    let loss = (state.sum.clone() * probe.clone()).sum() + (state.stream.clone() * probe).sum();
+    let grads = loss.backward();
+
+    checks.push(golden.compare_tensor("out.stream", state.stream, VALUE_TOLERANCE)?);
+    checks.push(golden.compare_tensor("out.sum", state.sum, VALUE_TOLERANCE)?);
+    let readout: Tensor<4> = Tensor::stack(stack.readout(input.clone()), 0);
+    checks.push(golden.compare_tensor("out.readout", readout, VALUE_TOLERANCE)?);
+
+    let matrix = stack.matrix();
+    let size = matrix.output.len();
+    let flat: Vec<f64> = matrix.matrix.iter().flatten().copied().collect();
+    checks.push(golden.compare("out.matrix", flat, &[size, size], VALUE_TOLERANCE)?);
+    checks.push(golden.compare(
+        "out.output_column",
+        matrix.output.clone(),
+        &[size],
+        VALUE_TOLERANCE,
+    )?);
+    let gamma = stack.connectivity.total_strength();
+    checks.push(golden.compare("out.gamma", vec![gamma], &[1], VALUE_TOLERANCE)?);
+
+    let gate_grad = stack
+        .connectivity
+        .gates
+        .val()
+        .grad(&grads)
+        .ok_or("hacn: the gates got no gradient")?;
+    checks.push(golden.compare_tensor("grad.alpha", gate_grad, GRADIENT_TOLERANCE)?);
+    for (j, block) in stack.blocks.iter().enumerate() {
+        let key = format!("grad.blocks.{j}.weight");
+        let grad = block
+            .linear
+            .weight
+            .val()
+            .grad(&grads)
+            .ok_or_else(|| format!("hacn: block {j} got no gradient"))?;
+        checks.push(golden.compare_tensor(&key, grad, GRADIENT_TOLERANCE)?);
+    }
+
+    for (preset, config) in [("resnet", HacnConfig::resnet()), ("acn", HacnConfig::acn())] {
+        let stack = hacn_stack(golden, &config, &device)?;
+        let state = stack
+            .run(input.clone(), stack.num_blocks(), &())
+            .map_err(|err| err.to_string())?;
+        checks.push(golden.compare_tensor(
+            &format!("{preset}.stream"),
+            state.stream,
+            VALUE_TOLERANCE,
+        )?);
+        checks.push(golden.compare_tensor(&format!("{preset}.sum"), state.sum, VALUE_TOLERANCE)?);
+    }
+    Ok(checks)
+}
+
+/// DepthLN at every depth the file holds (`out.depth{l}`), with the file's γ, β, s and eps.
+pub fn check_depth_ln(golden: &Golden, device: &Device) -> Result<Vec<Check>, String> {
+    let strength = golden.meta_number("strength")?;
+    let epsilon = golden.meta_number("eps")?;
+    let input = golden.tensor::<3>("input", device)?;
+    let gamma = golden.tensor::<1>("gamma", device)?;
+    let beta = golden.tensor::<1>("beta", device)?;
+    let width = gamma.dims()[0];
+
+    let mut depths: Vec<(usize, String)> = golden
+        .tensors
+        .keys()
+        .filter_map(|key| Some((key.strip_prefix("out.depth")?.parse().ok()?, key.clone())))
+        .collect();
+    depths.sort();
+    if depths.is_empty() {
+        return Err("depth_ln: no `out.depth{l}` tensor".to_string());
+    }
+    let mut checks = Vec::new();
+    for (depth, key) in depths {
+        let config = DepthLnConfig::new(width, depth)
+            .with_strength(strength)
+            .with_epsilon(epsilon);
+        let mut norm = config.init(device).map_err(|err| err.to_string())?;
+        norm.norm.gamma = Param::from_tensor(gamma.clone());
+        norm.norm.beta = Some(Param::from_tensor(beta.clone()));
+        checks.push(golden.compare_tensor(&key, norm.forward(input.clone()), VALUE_TOLERANCE)?);
+    }
+    Ok(checks)
+}

@@ -1,0 +1,75 @@
+//! GELU with an exact gradient on every backend.
+//!
+//! Burn 0.22.1's forward GELU is the exact `x·Φ(x)` everywhere, but its default
+//! `gelu_backward` (used by NdArray and the CubeCL backends) differentiates the *tanh
+//! approximation*, off by up to ~1e-3; only Flex overrides it with the exact derivative.
+//! Where that matters (training on another backend) the erf form is composed from tensor ops,
+//! whose autodiff derivative `Φ(x) + x·φ(x)` is exact.
+
+use burn::prelude::*;
+
+use crate::backend::is_flex;
+
+/// `GELU(x) = x · Φ(x) = ½ x (1 + erf(x/√2))`, with the exact derivative on every backend.
+pub fn gelu<const D: usize>(input: Tensor<D>) -> Tensor<D> {
+    let device = input.device();
+    if !device.is_autodiff() || is_flex(&device) {
+        return burn::tensor::activation::gelu(input);
+    }
+    let cdf = input
+        .clone()
+        .div_scalar(std::f64::consts::SQRT_2)
+        .erf()
+        .add_scalar(1.0)
+        .mul_scalar(0.5);
+    input * cdf
+}
+
+#[cfg(test)]
+mod tests {
+    use burn::tensor::Distribution;
+
+    use super::*;
+
+    fn exact_derivative(x: f64) -> f64 {
+        let pdf = (-0.5 * x * x).exp() / (2.0 * std::f64::consts::PI).sqrt();
+        let cdf = 0.5 * (1.0 + libm_erf(x / std::f64::consts::SQRT_2));
+        cdf + x * pdf
+    }
+
+    /// erf by its Maclaurin series, accurate to ~1e-15 for |x| < 3.
+    fn libm_erf(x: f64) -> f64 {
+        let (mut term, mut sum) = (x, x);
+        for n in 1..80 {
+            term *= -x * x / n as f64;
+            sum += term / (2 * n + 1) as f64;
+        }
+        sum * 2.0 / std::f64::consts::PI.sqrt()
+    }
+
+    fn assert_exact_gradient(device: &Device) {
+        let x = Tensor::<1>::random([64], Distribution::Uniform(-3.0, 3.0), device).require_grad();
+        let grads = gelu(x.clone()).sum().backward();
+        let inputs: Vec<f64> = x.to_data().iter().collect();
+        let gradient: Vec<f64> = x.grad(&grads).unwrap().into_data().iter().collect();
+        for (input, grad) in inputs.iter().zip(gradient) {
+            let expected = exact_derivative(*input);
+            assert!(
+                (grad - expected).abs() < 2e-6,
+                "x = {input}: {grad} vs {expected}"
+            );
+        }
+    }
+
+    #[test]
+    fn gradient_is_exact_on_flex() {
+        assert_exact_gradient(&Device::flex().autodiff());
+    }
+
+    #[cfg(feature = "ndarray")]
+    #[test]
+    #[allow(deprecated)]
+    fn gradient_is_exact_on_ndarray() {
+        assert_exact_gradient(&Device::ndarray().autodiff());
+    }
+}

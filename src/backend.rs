@@ -1,0 +1,118 @@
+//! Picking a Burn device by backend name, for command-line tools and examples.
+//!
+//! Each backend is a cargo feature of this crate forwarding to Burn's feature of the same name:
+//! `flex` (default, pure-Rust CPU), `ndarray` (deprecated upstream), `wgpu`, `vulkan`, `metal`
+//! and `cuda`.
+
+use burn::prelude::*;
+
+use crate::error::{Error, Result};
+
+/// Every backend name this crate knows, compiled in or not.
+pub const BACKENDS: [&str; 6] = ["flex", "ndarray", "wgpu", "vulkan", "metal", "cuda"];
+
+/// The backend names compiled into this build.
+pub fn compiled_backends() -> Vec<&'static str> {
+    BACKENDS
+        .into_iter()
+        .filter(|name| is_compiled(name))
+        .collect()
+}
+
+fn is_compiled(name: &str) -> bool {
+    match name {
+        "flex" => cfg!(feature = "flex"),
+        "ndarray" => cfg!(feature = "ndarray"),
+        "wgpu" => cfg!(feature = "wgpu"),
+        "vulkan" => cfg!(feature = "vulkan"),
+        "metal" => cfg!(feature = "metal"),
+        "cuda" => cfg!(feature = "cuda"),
+        _ => false,
+    }
+}
+
+/// The default device of the backend called `name` (no autodiff; call `.autodiff()` to train).
+///
+/// # Errors
+/// [`Error::Backend`] if the name is unknown or its cargo feature is not enabled.
+pub fn device(name: &str) -> Result<Device> {
+    let unavailable = |reason: String| Error::Backend {
+        name: name.to_string(),
+        reason,
+        available: compiled_backends().join(", "),
+    };
+    if !BACKENDS.contains(&name) {
+        return Err(unavailable(format!(
+            "unknown backend, expected one of {}",
+            BACKENDS.join(", ")
+        )));
+    }
+    if !is_compiled(name) {
+        return Err(unavailable(format!("rebuild with `--features {name}`")));
+    }
+    compiled_device(name).ok_or_else(|| unavailable("no device constructor".to_string()))
+}
+
+#[allow(deprecated)] // NdArray is deprecated in Burn 0.22 but still supported here.
+fn compiled_device(name: &str) -> Option<Device> {
+    match name {
+        #[cfg(feature = "flex")]
+        "flex" => Some(Device::flex()),
+        #[cfg(feature = "ndarray")]
+        "ndarray" => Some(Device::ndarray()),
+        #[cfg(feature = "wgpu")]
+        "wgpu" => Some(Device::wgpu(Default::default())),
+        #[cfg(feature = "vulkan")]
+        "vulkan" => Some(Device::vulkan(Default::default())),
+        #[cfg(feature = "metal")]
+        "metal" => Some(Device::metal(Default::default())),
+        #[cfg(feature = "cuda")]
+        "cuda" => Some(Device::cuda(0)),
+        _ => None,
+    }
+}
+
+/// Whether `device` (or the device under its autodiff layer) is a Flex device.
+pub(crate) fn is_flex(device: &Device) -> bool {
+    #[cfg(feature = "flex")]
+    {
+        matches!(
+            device.clone().without_autodiff().as_dispatch(),
+            burn::backend::DispatchDevice::Flex(_)
+        )
+    }
+    #[cfg(not(feature = "flex"))]
+    {
+        let _ = device;
+        false
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn flex_is_compiled_by_default() {
+        assert!(compiled_backends().contains(&"flex"));
+        assert!(device("flex").is_ok());
+    }
+
+    #[test]
+    fn flex_is_recognised_under_autodiff() {
+        assert!(is_flex(&Device::flex().autodiff()));
+        #[cfg(feature = "ndarray")]
+        assert!(!is_flex(&device("ndarray").unwrap().autodiff()));
+    }
+
+    #[test]
+    fn unknown_and_missing_backends_are_errors() {
+        let err = device("tpu").unwrap_err();
+        assert!(matches!(err, Error::Backend { .. }));
+        assert!(err.to_string().contains("unknown backend"));
+        if !cfg!(feature = "cuda") {
+            let err = device("cuda").unwrap_err();
+            assert!(err.to_string().contains("--features cuda"), "{err}");
+        }
+    }
+}

@@ -1,0 +1,100 @@
+//! The family-agnostic connectivity abstraction.
+//!
+//! A connectivity decides, for a stack of branches `f_1..f_L`, what each block reads and what
+//! the stack outputs (SPEC §0): with `s_0 = x` and `h_j = f_j(s_{j-1})`, it maps the branch
+//! outputs seen so far to the next block input `s_j` and to the output `y`. It is written as a
+//! state machine whose state is passed by value:
+//!
+//! ```text
+//! state = start(x)
+//! for j in 0..L:  state = step(state, j, f_j(block_input(&state)))
+//! y = output(&state)
+//! ```
+//!
+//! `output` after `k` steps is the layer-wise readout `y_k`: the output of the model truncated
+//! to its first `k` blocks.
+
+use burn::prelude::*;
+
+use crate::error::Result;
+use crate::matrix::ConnectivityMatrix;
+
+/// What every connectivity offers, whatever the rank of the tensors it wires.
+pub trait Connectivity: Module {
+    /// Number of blocks this connectivity wires.
+    fn num_blocks(&self) -> usize;
+
+    /// The direct connectivity matrix `C` and the output column (SPEC §0).
+    ///
+    /// This reads parameters back from the device.
+    fn matrix(&self) -> ConnectivityMatrix;
+
+    /// The same connectivity restricted to the first `depth` blocks, such that a stack of those
+    /// blocks outputs the readout `y_depth` of the full one.
+    ///
+    /// # Errors
+    /// [`Error::DepthOutOfRange`](crate::Error::DepthOutOfRange) unless `1 <= depth <= num_blocks()`.
+    fn truncated(&self, depth: usize) -> Result<Self>
+    where
+        Self: Sized;
+}
+
+/// How a connectivity propagates rank-`D` streams through the blocks.
+pub trait StreamConnectivity<const D: usize>: Connectivity {
+    /// What the connectivity keeps between blocks (the running stream, accumulators…).
+    type State;
+
+    /// The state before the first block, from the input `x = s_0`.
+    fn start(&self, input: Tensor<D>) -> Self::State;
+
+    /// The input of the next block, `s_j`.
+    fn block_input(&self, state: &Self::State) -> Tensor<D>;
+
+    /// Takes in the output `branch = h_{block+1}` of block number `block` (0-based).
+    fn step(&self, state: Self::State, block: usize, branch: Tensor<D>) -> Self::State;
+
+    /// The output of the stack so far: `y_k` after `k` steps, `y` after all of them.
+    fn output(&self, state: &Self::State) -> Tensor<D>;
+}
+
+/// A config that builds a connectivity for a given number of blocks.
+pub trait ConnectivityConfig {
+    /// The connectivity it builds.
+    type Connectivity: Connectivity;
+
+    /// Builds the connectivity for `num_blocks` blocks on `device`.
+    ///
+    /// # Errors
+    /// Invalid settings, or settings that do not fit `num_blocks`.
+    fn init(&self, num_blocks: usize, device: &Device) -> Result<Self::Connectivity>;
+}
+
+/// Computes `C` and the output column by running the connectivity's own recursion on basis
+/// vectors.
+///
+/// Valid for connectivities that are linear in the branch outputs with data-independent
+/// coefficients (H-ACN, ANCRe): feeding `x = e_0` and `h_j = e_j` makes `block_input` before
+/// block `j` the coefficient vector of `s_{j-1}` over `h_0..h_L`, i.e. column `j` of `C`.
+/// Closed-form implementations of [`Connectivity::matrix`] are tested against it.
+///
+/// # Errors
+/// [`Error::InvalidMatrix`](crate::Error::InvalidMatrix) if the connectivity's states do not
+/// keep the width of the basis vectors.
+pub fn probe_matrix<C: StreamConnectivity<2>>(
+    connectivity: &C,
+    device: &Device,
+) -> Result<ConnectivityMatrix> {
+    let size = connectivity.num_blocks() + 1;
+    let basis = Tensor::<2>::eye(size, device);
+    let row = |i: usize| basis.clone().narrow(0, i, 1);
+    let values = |tensor: Tensor<2>| -> Vec<f64> { tensor.into_data().iter::<f64>().collect() };
+
+    let mut columns = vec![vec![0.0; size]];
+    let mut state = connectivity.start(row(0));
+    for block in 0..connectivity.num_blocks() {
+        columns.push(values(connectivity.block_input(&state)));
+        state = connectivity.step(state, block, row(block + 1));
+    }
+    let output = values(connectivity.output(&state));
+    ConnectivityMatrix::from_columns(&columns, output)
+}

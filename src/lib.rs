@@ -1,0 +1,23 @@
+#![doc = include_str!("../README.md")]
+#![warn(missing_docs)]
+
+mod activation;
+pub mod backend;
+mod block;
+mod connectivity;
+mod depth_ln;
+mod error;
+pub mod hacn;
+mod matrix;
+mod mlp;
+mod stack;
+
+pub use activation::gelu;
+pub use block::Block;
+pub use connectivity::{Connectivity, ConnectivityConfig, StreamConnectivity, probe_matrix};
+pub use depth_ln::{DepthLn, DepthLnConfig};
+pub use error::{Error, Result};
+pub use hacn::{GateInit, Hacn, HacnConfig, HacnState};
+pub use matrix::ConnectivityMatrix;
+pub use mlp::{BlockNorm, MlpBlock, MlpBlockConfig};
+pub use stack::Stack;

@@ -1,5 +1,6 @@
 //! The block abstraction: one residual branch of a deep network.
 
+use burn::module::ModuleDisplay;
 use burn::prelude::*;
 
 /// A residual branch `h = f(x)` that maps a rank-`D` tensor to a tensor of the same shape.
@@ -32,7 +33,7 @@ use burn::prelude::*;
 /// # let h = block.branch(Tensor::<2>::zeros([2, 4], &Device::flex()), &());
 /// # assert_eq!(h.dims(), [2, 4]);
 /// ```
-pub trait Block<const D: usize>: Module {
+pub trait Block<const D: usize>: Module + ModuleDisplay {
     /// Per-call data the branch needs besides its input (attention masks, for instance).
     /// Use `()` when there is none.
     type Context;

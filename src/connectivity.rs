@@ -14,13 +14,14 @@
 //! `output` after `k` steps is the layer-wise readout `y_k`: the output of the model truncated
 //! to its first `k` blocks.
 
+use burn::module::ModuleDisplay;
 use burn::prelude::*;
 
 use crate::error::Result;
 use crate::matrix::ConnectivityMatrix;
 
 /// What every connectivity offers, whatever the rank of the tensors it wires.
-pub trait Connectivity: Module {
+pub trait Connectivity: Module + ModuleDisplay {
     /// Number of blocks this connectivity wires.
     fn num_blocks(&self) -> usize;
 
@@ -51,6 +52,9 @@ pub trait StreamConnectivity<const D: usize>: Connectivity {
     fn block_input(&self, state: &Self::State) -> Tensor<D>;
 
     /// Takes in the output `branch = h_{block+1}` of block number `block` (0-based).
+    ///
+    /// Blocks are stepped in order, `block = 0, 1, …, num_blocks() - 1`; implementations may
+    /// panic otherwise.
     fn step(&self, state: Self::State, block: usize, branch: Tensor<D>) -> Self::State;
 
     /// The output of the stack so far: `y_k` after `k` steps, `y` after all of them.

@@ -283,46 +283,11 @@ impl<const D: usize> StreamConnectivity<D> for Hacn {
 
 #[cfg(test)]
 mod tests {
-    use burn::nn::{Linear, LinearConfig};
-    use burn::tensor::Tolerance;
-
     use super::*;
     use crate::block::Block;
     use crate::connectivity::probe_matrix;
     use crate::stack::Stack;
-
-    #[derive(Module, Debug)]
-    struct TanhBlock {
-        linear: Linear,
-    }
-
-    impl<const D: usize> Block<D> for TanhBlock {
-        type Context = ();
-
-        fn branch(&self, input: Tensor<D>, _context: &()) -> Tensor<D> {
-            self.linear.forward(input).tanh()
-        }
-    }
-
-    const WIDTH: usize = 6;
-
-    fn blocks(num_blocks: usize, device: &Device) -> Vec<TanhBlock> {
-        (0..num_blocks)
-            .map(|_| TanhBlock {
-                linear: LinearConfig::new(WIDTH, WIDTH).init(device),
-            })
-            .collect()
-    }
-
-    fn input(device: &Device) -> Tensor<3> {
-        Tensor::random([2, 3, WIDTH], Distribution::Normal(0.0, 1.0), device)
-    }
-
-    fn assert_close<const D: usize>(actual: Tensor<D>, expected: Tensor<D>) {
-        actual
-            .into_data()
-            .assert_approx_eq::<f32>(&expected.into_data(), Tolerance::absolute(1e-6));
-    }
+    use crate::test_util::{assert_close, blocks, input};
 
     #[test]
     fn fixed_unit_gates_are_the_plain_residual_loop() {

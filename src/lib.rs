@@ -2,6 +2,7 @@
 #![warn(missing_docs)]
 
 mod activation;
+pub mod ancre;
 pub mod backend;
 mod block;
 mod connectivity;
@@ -11,8 +12,11 @@ pub mod hacn;
 mod matrix;
 mod mlp;
 mod stack;
+#[cfg(test)]
+mod test_util;
 
 pub use activation::gelu;
+pub use ancre::{Ancre, AncreConfig, AncreInit, AncreState, Normalization};
 pub use block::Block;
 pub use connectivity::{Connectivity, ConnectivityConfig, StreamConnectivity, probe_matrix};
 pub use depth_ln::{DepthLn, DepthLnConfig};

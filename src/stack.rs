@@ -1,5 +1,6 @@
 //! The generic wrapper: any stack of blocks driven by any connectivity.
 
+use burn::module::ModuleDisplay;
 use burn::prelude::*;
 
 use crate::block::Block;
@@ -39,7 +40,7 @@ pub struct Stack<M, C> {
     pub connectivity: C,
 }
 
-impl<M: Module, C: Connectivity> Stack<M, C> {
+impl<M: Module + ModuleDisplay, C: Connectivity> Stack<M, C> {
     /// Wraps `blocks` with the connectivity `config` builds for them on `device`.
     ///
     /// # Errors

@@ -1,137 +1,180 @@
-//! The same model and weights on Flex and NdArray, and record save→load.
+//! The same models and weights on Flex and NdArray, and record save→load, for every
+//! connectivity.
 
-use burn::module::Module;
+use burn::module::{Module, ModuleVisitor, Param};
 use burn::prelude::*;
 use burn::store::ModuleRecord;
-use burn::tensor::{Distribution, Tolerance};
-use burn_connectivity::{Hacn, HacnConfig, MlpBlock, MlpBlockConfig, Stack};
+use burn::tensor::{Distribution, Gradients, Tolerance};
+use burn_connectivity::{
+    AncreConfig, ConnectivityConfig, HacnConfig, MlpBlock, MlpBlockConfig, Normalization, Stack,
+    StreamConnectivity,
+};
 
-fn stack(config: &HacnConfig, device: &Device) -> Stack<MlpBlock, Hacn> {
+const BLOCKS: usize = 6;
+
+fn stack<C: ConnectivityConfig>(
+    config: &C,
+    blocks: usize,
+    device: &Device,
+) -> Stack<MlpBlock, C::Connectivity> {
     let blocks = MlpBlockConfig::new(8, 16)
         .with_depth_ln(true)
-        .init_stack(6, device)
+        .init_stack(blocks, device)
         .unwrap();
     Stack::new(blocks, config, device).unwrap()
 }
 
-/// Moves the weights of `model` onto a fresh model built on `device`, through a record.
-fn copy_to(
-    model: &Stack<MlpBlock, Hacn>,
-    config: &HacnConfig,
+/// Loads the record of `model` into a fresh model with `blocks` blocks on `device`.
+fn reload<C: ConnectivityConfig>(
+    model: &Stack<MlpBlock, C::Connectivity>,
+    config: &C,
+    blocks: usize,
     device: &Device,
-) -> Stack<MlpBlock, Hacn> {
+) -> Stack<MlpBlock, C::Connectivity> {
     let bytes = model.clone().into_record().into_bytes().unwrap();
-    stack(config, device).load_record(ModuleRecord::from_bytes(bytes).unwrap())
+    stack(config, blocks, device).load_record(ModuleRecord::from_bytes(bytes).unwrap())
 }
 
-fn data<const D: usize>(tensor: Tensor<D>) -> TensorData {
-    tensor.into_data()
+/// The gradient of every parameter that has one, in visiting order.
+struct ParameterGradients<'a> {
+    grads: &'a Gradients,
+    found: Vec<TensorData>,
 }
 
-/// Values agree to 1e-5, gradients (sums over the batch, through every block) to 1e-4: the
+impl ModuleVisitor for ParameterGradients<'_> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        if let Some(grad) = param.val().grad(self.grads) {
+            self.found.push(grad.into_data());
+        }
+    }
+}
+
+fn parameter_gradients(model: &impl Module, grads: &Gradients) -> Vec<TensorData> {
+    let mut visitor = ParameterGradients {
+        grads,
+        found: Vec::new(),
+    };
+    model.visit(&mut visitor);
+    visitor.found
+}
+
+/// Values agree to 1e-5; gradients (sums over the batch, through every block) to 1e-4: the
 /// conformance tolerances for f32.
-fn gradient_tolerance() -> Tolerance<f32> {
-    Tolerance::absolute(1e-4)
+#[allow(deprecated)]
+fn assert_backends_agree<C>(config: &C)
+where
+    C: ConnectivityConfig,
+    C::Connectivity: StreamConnectivity<3>,
+{
+    let (flex, ndarray) = (Device::flex().autodiff(), Device::ndarray().autodiff());
+    let on_flex = stack(config, BLOCKS, &flex);
+    let on_ndarray = reload(&on_flex, config, BLOCKS, &ndarray);
+    let x = Tensor::<3>::random([2, 5, 8], Distribution::Normal(0.0, 1.0), &flex);
+    let x_nd = Tensor::<3>::from_data(x.to_data(), &ndarray);
+
+    let readouts = on_flex.readout(x).into_iter().zip(on_ndarray.readout(x_nd));
+    for (r, r_nd) in readouts {
+        r_nd.into_data()
+            .assert_approx_eq::<f32>(&r.into_data(), Tolerance::absolute(1e-5));
+    }
+    let x = Tensor::<3>::random([2, 5, 8], Distribution::Normal(0.0, 1.0), &flex);
+    let x_nd = Tensor::<3>::from_data(x.to_data(), &ndarray);
+    let (y, y_nd) = (on_flex.forward(x), on_ndarray.forward(x_nd));
+    let grads = y.powf_scalar(2.0).sum().backward();
+    let grads_nd = y_nd.powf_scalar(2.0).sum().backward();
+    let (expected, actual) = (
+        parameter_gradients(&on_flex, &grads),
+        parameter_gradients(&on_ndarray, &grads_nd),
+    );
+    assert_eq!(expected.len(), actual.len(), "parameters with a gradient");
+    assert!(!expected.is_empty());
+    for (g, g_nd) in expected.iter().zip(&actual) {
+        g_nd.assert_approx_eq::<f32>(g, Tolerance::absolute(1e-4));
+    }
+    let difference = on_flex.matrix().max_abs_diff(&on_ndarray.matrix());
+    assert!(
+        difference < 1e-6,
+        "connectivity matrices differ by {difference}"
+    );
 }
 
-fn configs() -> [HacnConfig; 3] {
-    [HacnConfig::new(), HacnConfig::resnet(), HacnConfig::acn()]
+fn assert_save_load_is_exact<C>(config: &C)
+where
+    C: ConnectivityConfig,
+    C::Connectivity: StreamConnectivity<3>,
+{
+    let device = Device::flex();
+    let path = std::env::temp_dir().join(format!(
+        "burn-connectivity-{}-{:?}.bpk",
+        std::process::id(),
+        std::thread::current().id()
+    ));
+    let model = stack(config, BLOCKS, &device);
+    model.clone().save_file(&path).unwrap();
+    // Burn reads the parameters lazily from the file: keep it until they are used.
+    let loaded = stack(config, BLOCKS, &device).load_file(&path);
+    let x = Tensor::<3>::random([3, 4, 8], Distribution::Normal(0.0, 1.0), &device);
+    assert_eq!(
+        loaded.forward(x.clone()).into_data(),
+        model.forward(x).into_data()
+    );
+    assert_eq!(loaded.matrix(), model.matrix());
+    std::fs::remove_file(&path).unwrap();
 }
 
 #[test]
-#[allow(deprecated)]
-fn flex_and_ndarray_agree_on_outputs_and_gradients() {
-    let (flex, ndarray) = (Device::flex().autodiff(), Device::ndarray().autodiff());
-    for config in configs() {
-        let on_flex = stack(&config, &flex);
-        let on_ndarray = copy_to(&on_flex, &config, &ndarray);
-        let x = Tensor::<3>::random([2, 5, 8], Distribution::Normal(0.0, 1.0), &flex);
-        let x_nd = Tensor::<3>::from_data(x.to_data(), &ndarray);
-
-        let (y, y_nd) = (on_flex.forward(x.clone()), on_ndarray.forward(x_nd.clone()));
-        data(y_nd.clone()).assert_approx_eq::<f32>(&data(y.clone()), Tolerance::absolute(1e-5));
-        for (k, (r, r_nd)) in on_flex
-            .readout(x)
-            .into_iter()
-            .zip(on_ndarray.readout(x_nd))
-            .enumerate()
-        {
-            assert_eq!(r.dims(), r_nd.dims(), "readout {k}");
-            data(r_nd).assert_approx_eq::<f32>(&data(r), Tolerance::absolute(1e-5));
-        }
-
-        let (grads, grads_nd) = (
-            y.powf_scalar(2.0).sum().backward(),
-            y_nd.powf_scalar(2.0).sum().backward(),
-        );
-        let weight = |model: &Stack<MlpBlock, Hacn>| model.blocks[3].expand.weight.val();
-        data(weight(&on_ndarray).grad(&grads_nd).unwrap()).assert_approx_eq::<f32>(
-            &data(weight(&on_flex).grad(&grads).unwrap()),
-            gradient_tolerance(),
-        );
-        let gates = |model: &Stack<MlpBlock, Hacn>| model.connectivity.gates.val();
-        match (
-            gates(&on_flex).grad(&grads),
-            gates(&on_ndarray).grad(&grads_nd),
-        ) {
-            (Some(g), Some(g_nd)) => {
-                data(g_nd).assert_approx_eq::<f32>(&data(g), gradient_tolerance())
-            }
-            (None, None) => assert!(!config.trainable),
-            _ => panic!("gate gradients present on one backend only"),
-        }
-        assert_eq!(on_flex.matrix(), on_ndarray.matrix());
+fn hacn_family_agrees_across_backends() {
+    for config in [HacnConfig::new(), HacnConfig::resnet(), HacnConfig::acn()] {
+        assert_backends_agree(&config);
     }
+}
+
+#[test]
+fn ancre_agrees_across_backends() {
+    assert_backends_agree(&AncreConfig::new());
+    assert_backends_agree(&AncreConfig::residual(1e-3).with_normalization(Normalization::Outgoing));
 }
 
 #[test]
 fn save_then_load_gives_identical_outputs() {
-    let device = Device::flex();
-    let path = std::env::temp_dir().join(format!("burn-connectivity-{}.bpk", std::process::id()));
-    for config in configs() {
-        let model = stack(&config, &device);
-        model.clone().save_file(&path).unwrap();
-        let loaded = stack(&config, &device).load_file(&path);
-        let x = Tensor::<3>::random([3, 4, 8], Distribution::Normal(0.0, 1.0), &device);
-        assert_eq!(data(loaded.forward(x.clone())), data(model.forward(x)));
-        assert_eq!(
-            loaded.connectivity.gate_values(),
-            model.connectivity.gate_values()
-        );
+    for config in [HacnConfig::new(), HacnConfig::resnet(), HacnConfig::acn()] {
+        assert_save_load_is_exact(&config);
     }
-    std::fs::remove_file(path).unwrap();
+    assert_save_load_is_exact(&AncreConfig::new());
+    assert_save_load_is_exact(&AncreConfig::new().with_normalization(Normalization::Outgoing));
 }
 
 #[test]
 fn loaded_frozen_gates_stay_frozen() {
     let device = Device::flex().autodiff();
     let frozen = HacnConfig::new().with_trainable(false);
-    let model = stack(&frozen, &device);
-    let loaded = copy_to(&model, &frozen, &device);
+    let loaded = reload(&stack(&frozen, BLOCKS, &device), &frozen, BLOCKS, &device);
     let x = Tensor::<3>::random([1, 2, 8], Distribution::Default, &device);
     let grads = loaded.forward(x).sum().backward();
     assert!(loaded.connectivity.gates.val().grad(&grads).is_none());
 }
 
 #[test]
-fn a_truncated_model_saves_and_loads_as_a_smaller_model() {
+fn truncated_models_save_and_load_as_smaller_models() {
     let device = Device::flex();
-    let model = stack(&HacnConfig::new(), &device);
-    let truncated = model.truncated(2).unwrap();
-    let bytes = truncated.clone().into_record().into_bytes().unwrap();
-    let fresh = Stack::new(
-        MlpBlockConfig::new(8, 16)
-            .with_depth_ln(true)
-            .init_stack(2, &device)
-            .unwrap(),
-        &HacnConfig::new(),
-        &device,
-    )
-    .unwrap();
-    let loaded = fresh.load_record(ModuleRecord::from_bytes(bytes).unwrap());
     let x = Tensor::<3>::random([2, 3, 8], Distribution::Normal(0.0, 1.0), &device);
+
+    let hacn = stack(&HacnConfig::new(), BLOCKS, &device);
+    let loaded = reload(&hacn.truncated(2).unwrap(), &HacnConfig::new(), 2, &device);
     assert_eq!(
-        data(loaded.forward(x.clone())),
-        data(model.forward_depth(x, 2).unwrap())
+        loaded.forward(x.clone()).into_data(),
+        hacn.forward_depth(x.clone(), 2).unwrap().into_data()
+    );
+
+    let ancre = stack(&AncreConfig::new(), BLOCKS, &device);
+    let loaded = reload(
+        &ancre.truncated(3).unwrap(),
+        &AncreConfig::new(),
+        3,
+        &device,
+    );
+    assert_eq!(
+        loaded.forward(x.clone()).into_data(),
+        ancre.forward_depth(x, 3).unwrap().into_data()
     );
 }

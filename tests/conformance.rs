@@ -12,7 +12,14 @@ fn assert_conforms(device: &Device) {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/golden");
     let results = checks::run_dir(&dir, device).expect("golden files load");
     let files: Vec<&str> = results.iter().map(|(file, _)| file.as_str()).collect();
-    assert_eq!(files, ["hacn.safetensors", "depth_ln.safetensors"]);
+    assert_eq!(
+        files,
+        [
+            "hacn.safetensors",
+            "depth_ln.safetensors",
+            "ancre.safetensors"
+        ]
+    );
     for (file, checks) in results {
         assert!(!checks.is_empty(), "{file}: no checks");
         let failures: Vec<String> = checks

@@ -11,7 +11,8 @@ use burn::module::Param;
 use burn::nn::Linear;
 use burn::prelude::*;
 use burn_connectivity::{
-    Block, ConnectivityConfig, DepthLnConfig, GateInit, Hacn, HacnConfig, Stack,
+    AncreConfig, AncreInit, Block, Connectivity, ConnectivityConfig, DepthLnConfig, GateInit,
+    HacnConfig, Stack,
 };
 
 /// Absolute tolerance for forward values (f32).
@@ -57,9 +58,10 @@ pub struct Golden {
 type Checker = fn(&Golden, &Device) -> Result<Vec<Check>, String>;
 
 /// The golden files this runner knows, and the checks of each.
-pub const KNOWN_FILES: [(&str, Checker); 2] = [
+pub const KNOWN_FILES: [(&str, Checker); 3] = [
     ("hacn.safetensors", check_hacn),
     ("depth_ln.safetensors", check_depth_ln),
+    ("ancre.safetensors", check_ancre),
 ];
 
 /// Runs the checks of every known golden file present in `dir`.
@@ -176,11 +178,8 @@ impl Golden {
     ) -> Result<Check, String> {
         let (shape, expected) = self.entry(key)?;
         let max_abs_err = if shape.as_slice() == actual_shape {
-            expected
-                .iter()
-                .zip(&actual)
-                .map(|(e, a)| (f64::from(*e) - a).abs())
-                .fold(0.0, f64::max)
+            let expected: Vec<f64> = expected.iter().map(|&value| f64::from(value)).collect();
+            max_abs_err(&expected, &actual)
         } else {
             f64::INFINITY
         };
@@ -205,6 +204,18 @@ impl Golden {
             tolerance,
         )
     }
+}
+
+/// Largest entry-wise difference; infinite when the lengths differ.
+fn max_abs_err(expected: &[f64], actual: &[f64]) -> f64 {
+    if expected.len() != actual.len() {
+        return f64::INFINITY;
+    }
+    expected
+        .iter()
+        .zip(actual)
+        .map(|(e, a)| (e - a).abs())
+        .fold(0.0, f64::max)
 }
 
 /// The golden block `f(x) = tanh(x W + b)`.
@@ -239,16 +250,37 @@ fn tanh_blocks(golden: &Golden, prefix: &str, device: &Device) -> Result<Vec<Tan
     Ok(blocks)
 }
 
-fn hacn_stack(
+/// The golden blocks wired by the connectivity `config` builds; checks the block count against
+/// the file's `layers` metadata.
+fn golden_stack<C: ConnectivityConfig>(
     golden: &Golden,
-    config: &HacnConfig,
+    config: &C,
     device: &Device,
-) -> Result<Stack<TanhBlock, Hacn>, String> {
+) -> Result<Stack<TanhBlock, C::Connectivity>, String> {
     let blocks = tanh_blocks(golden, "blocks", device)?;
+    let layers = golden.meta_number("layers")?;
+    if blocks.len() as f64 != layers {
+        return Err(format!(
+            "{}: {} blocks for {layers} layers",
+            golden.name,
+            blocks.len()
+        ));
+    }
     let connectivity = config
         .init(blocks.len(), device)
         .map_err(|err| err.to_string())?;
     Stack::from_parts(blocks, connectivity).map_err(|err| err.to_string())
+}
+
+/// Compares C and the output column of `connectivity` with `out.matrix` / `out.output_column`.
+fn compare_matrix(golden: &Golden, connectivity: &impl Connectivity) -> Result<[Check; 2], String> {
+    let matrix = connectivity.matrix();
+    let size = matrix.output.len();
+    let flat: Vec<f64> = matrix.matrix.iter().flatten().copied().collect();
+    Ok([
+        golden.compare("out.matrix", flat, &[size, size], VALUE_TOLERANCE)?,
+        golden.compare("out.output_column", matrix.output, &[size], VALUE_TOLERANCE)?,
+    ])
 }
 
 /// H-ACN over the golden blocks: stream, long sum, readout, C, output column, Γ, the ResNet
@@ -263,15 +295,7 @@ pub fn check_hacn(golden: &Golden, device: &Device) -> Result<Vec<Check>, String
     let config = HacnConfig::new().with_init(GateInit::Values {
         values: gates.clone(),
     });
-    let stack = hacn_stack(golden, &config, &device)?;
-    let layers = golden.meta_number("layers")?;
-    if stack.num_blocks() != gates.len() || stack.num_blocks() as f64 != layers {
-        return Err(format!(
-            "hacn: {} gates and {} blocks for {layers} layers",
-            gates.len(),
-            stack.num_blocks()
-        ));
-    }
+    let stack = golden_stack(golden, &config, &device)?;
     let state = stack
         .run(input.clone(), stack.num_blocks(), &())
         .map_err(|err| err.to_string())?;
@@ -283,16 +307,7 @@ pub fn check_hacn(golden: &Golden, device: &Device) -> Result<Vec<Check>, String
     let readout: Tensor<4> = Tensor::stack(stack.readout(input.clone()), 0);
     checks.push(golden.compare_tensor("out.readout", readout, VALUE_TOLERANCE)?);
 
-    let matrix = stack.matrix();
-    let size = matrix.output.len();
-    let flat: Vec<f64> = matrix.matrix.iter().flatten().copied().collect();
-    checks.push(golden.compare("out.matrix", flat, &[size, size], VALUE_TOLERANCE)?);
-    checks.push(golden.compare(
-        "out.output_column",
-        matrix.output.clone(),
-        &[size],
-        VALUE_TOLERANCE,
-    )?);
+    checks.extend(compare_matrix(golden, &stack.connectivity)?);
     let gamma = stack.connectivity.total_strength();
     checks.push(golden.compare("out.gamma", vec![gamma], &[1], VALUE_TOLERANCE)?);
 
@@ -315,7 +330,7 @@ pub fn check_hacn(golden: &Golden, device: &Device) -> Result<Vec<Check>, String
     }
 
     for (preset, config) in [("resnet", HacnConfig::resnet()), ("acn", HacnConfig::acn())] {
-        let stack = hacn_stack(golden, &config, &device)?;
+        let stack = golden_stack(golden, &config, &device)?;
         let state = stack
             .run(input.clone(), stack.num_blocks(), &())
             .map_err(|err| err.to_string())?;
@@ -326,6 +341,77 @@ pub fn check_hacn(golden: &Golden, device: &Device) -> Result<Vec<Check>, String
         )?);
         checks.push(golden.compare_tensor(&format!("{preset}.sum"), state.sum, VALUE_TOLERANCE)?);
     }
+    Ok(checks)
+}
+
+/// ANCRe over the golden blocks: `s_K`, `p`, C, the output column, the uniform preset, and
+/// the gradient of the logits where they are used (`i < j`).
+pub fn check_ancre(golden: &Golden, device: &Device) -> Result<Vec<Check>, String> {
+    let device = device.clone().autodiff();
+    let temperature = golden
+        .values("tau")?
+        .first()
+        .copied()
+        .ok_or("ancre: empty `tau`")?;
+    let size = golden.entry("logits")?.0[0];
+    let logits: Vec<Vec<f64>> = golden
+        .values("logits")?
+        .chunks(size)
+        .map(<[f64]>::to_vec)
+        .collect();
+    let input = golden.tensor::<3>("input", &device)?;
+    let probe = golden.tensor::<3>("probe", &device)?;
+    let mut checks = Vec::new();
+
+    let config = AncreConfig::new()
+        .with_temperature(temperature)
+        .with_init(AncreInit::Values { logits });
+    let stack = golden_stack(golden, &config, &device)?;
+    let stream = stack.forward(input.clone());
+    let grads = (stream.clone() * probe).sum().backward();
+    checks.push(golden.compare_tensor("out.stream", stream, VALUE_TOLERANCE)?);
+    checks.push(golden.compare_tensor(
+        "out.p",
+        stack.connectivity.coefficients(),
+        VALUE_TOLERANCE,
+    )?);
+    checks.extend(compare_matrix(golden, &stack.connectivity)?);
+
+    let logit_grad = stack
+        .connectivity
+        .logits
+        .val()
+        .grad(&grads)
+        .ok_or("ancre: the logits got no gradient")?;
+    let shortcuts = |values: Vec<f64>| -> Vec<f64> {
+        (0..size * size)
+            .filter(|k| k / size < k % size)
+            .map(|k| values[k])
+            .collect()
+    };
+    let expected = shortcuts(golden.values("grad.logits")?);
+    let actual = shortcuts(logit_grad.into_data().iter::<f64>().collect());
+    checks.push(Check {
+        name: format!("{}.grad.logits", golden.name),
+        max_abs_err: max_abs_err(&expected, &actual),
+        tolerance: GRADIENT_TOLERANCE,
+    });
+
+    let uniform = golden_stack(
+        golden,
+        &AncreConfig::new().with_temperature(temperature),
+        &device,
+    )?;
+    checks.push(golden.compare_tensor(
+        "uniform.stream",
+        uniform.forward(input),
+        VALUE_TOLERANCE,
+    )?);
+    checks.push(golden.compare_tensor(
+        "uniform.p",
+        uniform.connectivity.coefficients(),
+        VALUE_TOLERANCE,
+    )?);
     Ok(checks)
 }
 

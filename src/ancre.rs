@@ -1,0 +1,675 @@
+//! ANCRe (Adaptive Neural Connection Reassignment): learned softmax shortcuts over all earlier
+//! block inputs (SPEC §2).
+//!
+//! Every shortcut `i:j` (`0 <= i < j <= K`) has a logit `c_ij`. With the default **ingoing**
+//! normalisation (paper eqs. 7–8):
+//!
+//! ```text
+//! p_ij = exp(c_ij/τ) / Σ_{k<j} exp(c_kj/τ)        (softmax over the sources of target j)
+//! s_j  = f_j(s_{j-1}) + Σ_{i<j} p_ij s_i
+//! ```
+//!
+//! so every column of `p` sums to 1 and `p_{j-1,j} = 1` is the plain residual. The mixture is
+//! over **stream states** (block inputs `s_i`), not branch outputs; the output is `s_K`. Target
+//! `j = 1` has the single source `s_0`, so `p_01 = 1` and its logit gets no gradient (the
+//! reference code freezes it). **Outgoing** normalisation (paper eq. 6, an ablation) takes the
+//! softmax over the targets `j > i` of each source instead.
+//!
+//! The mixture is accumulated progressively: as soon as `s_i` exists, `p_ij s_i` is added to
+//! the pending sum of every later target `j`; no `[j, batch, …]` history is ever stacked.
+//!
+//! In branch outputs, `coef(s_j) = e_j + Σ_{i<j} p_ij coef(s_i)`, so `C[:, j] = coef(s_{j-1})`
+//! and `out = coef(s_K)`.
+
+use burn::module::Param;
+use burn::prelude::*;
+use burn::tensor::activation::softmax;
+
+use crate::connectivity::{Connectivity, ConnectivityConfig, StreamConnectivity};
+use crate::error::{Error, Result, check_depth, check_finite, check_positive};
+use crate::matrix::ConnectivityMatrix;
+
+/// Which softmax turns the logits into coefficients.
+#[derive(Config, Debug, Copy, PartialEq, Eq)]
+pub enum Normalization {
+    /// Softmax over the sources `i < j` of each target `j` (the paper's choice, eq. 7).
+    Ingoing,
+    /// Softmax over the targets `j > i` of each source `i` (the ablation, eq. 6).
+    Outgoing,
+}
+
+/// How the logits `c_ij` start.
+#[derive(Config, Debug, PartialEq)]
+pub enum AncreInit {
+    /// All logits 0: uniform coefficients `p_ij = 1/j` (the reference code's default).
+    Uniform,
+    /// The shortcut `j-1:j` of every target gets a logit high enough that every coefficient is
+    /// within `tolerance` of the plain residual (`p_{j-1,j} >= 1 - tolerance`).
+    Residual {
+        /// Largest allowed distance to the residual coefficients, in `(0, 1)`.
+        tolerance: f64,
+    },
+    /// Explicit logits: a `(K+1) x (K+1)` matrix whose entry `[i][j]` is `c_ij` for `i < j`
+    /// (other entries are unused).
+    Values {
+        /// The logit matrix.
+        logits: Vec<Vec<f64>>,
+    },
+}
+
+/// Configuration of [`Ancre`].
+#[derive(Config, Debug)]
+pub struct AncreConfig {
+    /// Softmax temperature τ > 0 (paper default 0.1; its LLM runs used 0.01).
+    #[config(default = 0.1)]
+    pub temperature: f64,
+    /// Ingoing (default) or outgoing normalisation.
+    #[config(default = "Normalization::Ingoing")]
+    pub normalization: Normalization,
+    /// Logit initialisation; default uniform.
+    #[config(default = "AncreInit::Uniform")]
+    pub init: AncreInit,
+}
+
+impl AncreConfig {
+    /// Starts as a plain ResNet, every coefficient within `tolerance` of it.
+    pub fn residual(tolerance: f64) -> Self {
+        Self::new().with_init(AncreInit::Residual { tolerance })
+    }
+
+    fn initial_logits(&self, num_blocks: usize) -> Result<Vec<Vec<f64>>> {
+        let size = num_blocks + 1;
+        match &self.init {
+            AncreInit::Uniform => Ok(vec![vec![0.0; size]; size]),
+            AncreInit::Residual { tolerance } => {
+                check_finite("ANCRe residual tolerance", *tolerance)?;
+                if *tolerance <= 0.0 || *tolerance >= 1.0 {
+                    return Err(Error::OutOfRange {
+                        name: "ANCRe residual tolerance",
+                        value: *tolerance,
+                        requirement: "in (0, 1)",
+                    });
+                }
+                // Against at most K-1 competitors at logit 0 (a column of target j has j-1,
+                // a row of source i has K-i-1): p >= 1 - tol once exp(c/τ) >= n (1-tol)/tol.
+                let competitors = num_blocks.saturating_sub(1).max(1) as f64;
+                let logit = self.temperature * (competitors * (1.0 - tolerance) / tolerance).ln();
+                let mut logits = vec![vec![0.0; size]; size];
+                for j in 1..size {
+                    logits[j - 1][j] = logit.max(0.0);
+                }
+                Ok(logits)
+            }
+            AncreInit::Values { logits } => {
+                let rows = logits.len();
+                if rows != size || logits.iter().any(|row| row.len() != size) {
+                    let columns = logits.first().map_or(0, Vec::len);
+                    return Err(Error::InvalidMatrix(format!(
+                        "ANCRe logits must be {size} x {size} for {num_blocks} blocks, got {rows} x {columns}"
+                    )));
+                }
+                for value in logits.iter().flatten() {
+                    check_finite("ANCRe logit", *value)?;
+                }
+                Ok(logits.clone())
+            }
+        }
+    }
+}
+
+impl ConnectivityConfig for AncreConfig {
+    type Connectivity = Ancre;
+
+    fn init(&self, num_blocks: usize, device: &Device) -> Result<Ancre> {
+        if num_blocks == 0 {
+            return Err(Error::NoBlocks);
+        }
+        check_positive("ANCRe temperature", self.temperature)?;
+        let size = num_blocks + 1;
+        let logits: Vec<f64> = self.initial_logits(num_blocks)?.concat();
+        let logits = Tensor::<2>::from_data(TensorData::new(logits, [size, size]), device);
+        Ok(Ancre {
+            logits: Param::from_tensor(logits),
+            temperature: self.temperature,
+            normalization: self.normalization,
+            num_blocks,
+        })
+    }
+}
+
+/// Learned softmax shortcuts over all earlier block inputs (see the [module docs](self)).
+#[derive(Module, Debug)]
+pub struct Ancre {
+    /// The logits `c_ij`, `[K'+1, K'+1]` with `K' >= K` (entries `i < j` are used).
+    pub logits: Param<Tensor<2>>,
+    /// The softmax temperature τ.
+    pub temperature: f64,
+    /// Ingoing or outgoing normalisation.
+    #[module(skip)]
+    pub normalization: Normalization,
+    /// Number of blocks `K` wired. Smaller than the logit matrix only for a truncated outgoing
+    /// ANCRe, whose coefficients depend on every target of a source.
+    pub num_blocks: usize,
+}
+
+/// The running state of [`Ancre`].
+#[derive(Debug, Clone)]
+pub struct AncreState<const D: usize> {
+    /// The stream `s_j`, input of the next block.
+    pub stream: Tensor<D>,
+    /// `Σ_{i<=j} p_it s_i` for the targets `t = j+1..=K`, in order.
+    pending: Vec<Tensor<D>>,
+    /// The coefficients `p`, computed once per forward pass.
+    coefficients: Tensor<2>,
+}
+
+impl Ancre {
+    /// The coefficients `p` as a differentiable `[K+1, K+1]` tensor (row = source `i`,
+    /// column = target `j`; zero where `i >= j`).
+    pub fn coefficients(&self) -> Tensor<2> {
+        let size = self.logits.dims()[0];
+        let device = self.logits.device();
+        let shortcut: Vec<bool> = (0..size * size).map(|k| k / size < k % size).collect();
+        let no_shortcut =
+            Tensor::<2, Bool>::from_data(TensorData::new(shortcut, [size, size]), &device)
+                .bool_not();
+        // A large finite fill (not -inf) keeps the empty column 0 / row K free of NaN.
+        let scaled = self
+            .logits
+            .val()
+            .div_scalar(self.temperature)
+            .mask_fill(no_shortcut.clone(), -1e30);
+        let dim = match self.normalization {
+            Normalization::Ingoing => 0,
+            Normalization::Outgoing => 1,
+        };
+        let kept = self.num_blocks + 1;
+        softmax(scaled, dim)
+            .mask_fill(no_shortcut, 0.0)
+            .narrow(0, 0, kept)
+            .narrow(1, 0, kept)
+    }
+
+    /// The coefficients `p` read back to the host, `p[i][j]`.
+    pub fn coefficient_values(&self) -> Vec<Vec<f64>> {
+        let size = self.num_blocks + 1;
+        let values: Vec<f64> = self.coefficients().into_data().iter::<f64>().collect();
+        values.chunks(size).map(<[f64]>::to_vec).collect()
+    }
+
+    /// Per target `j = 1..=K`, the coefficients over its sources as a distribution (the column
+    /// itself for ingoing normalisation, the normalised column for outgoing).
+    fn source_distributions(&self) -> Vec<Vec<f64>> {
+        let p = self.coefficient_values();
+        (1..=self.num_blocks)
+            .map(|j| {
+                let column: Vec<f64> = (0..j).map(|i| p[i][j]).collect();
+                let total: f64 = column.iter().sum();
+                column.iter().map(|value| value / total).collect()
+            })
+            .collect()
+    }
+
+    /// Shannon entropy (nats) of each target's source distribution, targets `1..=K`: 0 for a
+    /// single shortcut, `ln j` for uniform.
+    pub fn entropy(&self) -> Vec<f64> {
+        let entropy = |q: &Vec<f64>| -> f64 {
+            -q.iter()
+                .filter(|&&v| v > 0.0)
+                .map(|v| v * v.ln())
+                .sum::<f64>()
+        };
+        self.source_distributions().iter().map(entropy).collect()
+    }
+
+    /// Mean over targets of the total-variation distance `½ Σ_i |q_ij - r_ij|` between each
+    /// target's source distribution and the plain residual's (`r_ij = [i = j-1]`). In `[0, 1]`.
+    pub fn distance_to_residual(&self) -> f64 {
+        self.mean_distance(|i, j| if i + 1 == j { 1.0 } else { 0.0 })
+    }
+
+    /// As [`Ancre::distance_to_residual`], to uniform coefficients `1/j`.
+    pub fn distance_to_uniform(&self) -> f64 {
+        self.mean_distance(|_, j| 1.0 / j as f64)
+    }
+
+    fn mean_distance(&self, reference: impl Fn(usize, usize) -> f64) -> f64 {
+        let distributions = self.source_distributions();
+        let total: f64 = distributions
+            .iter()
+            .enumerate()
+            .map(|(index, q)| {
+                let j = index + 1;
+                0.5 * q
+                    .iter()
+                    .enumerate()
+                    .map(|(i, v)| (v - reference(i, j)).abs())
+                    .sum::<f64>()
+            })
+            .sum();
+        total / distributions.len() as f64
+    }
+
+    /// Tsallis entropy `S_q(p) = (1 - Σ p^q) / (q - 1)` summed over every normalised
+    /// distribution (columns for ingoing, rows for outgoing normalisation; paper §4.1).
+    /// Add `λ · S_q` to the loss to push the connectivity towards few shortcuts; `q = 2` is the
+    /// usual choice. Differentiable.
+    ///
+    /// # Errors
+    /// [`Error::OutOfRange`] unless `q > 0`, `q != 1` and finite.
+    pub fn tsallis_entropy(&self, q: f64) -> Result<Tensor<1>> {
+        check_positive("Tsallis q", q)?;
+        if q == 1.0 {
+            return Err(Error::OutOfRange {
+                name: "Tsallis q",
+                value: q,
+                requirement: "!= 1 (use entropy() for Shannon)",
+            });
+        }
+        let k = self.num_blocks;
+        let powers = self.coefficients().powf_scalar(q);
+        let sums = match self.normalization {
+            Normalization::Ingoing => powers.sum_dim(0).narrow(1, 1, k),
+            Normalization::Outgoing => powers.sum_dim(1).narrow(0, 0, k).transpose(),
+        };
+        Ok(sums.neg().add_scalar(1.0).div_scalar(q - 1.0).sum())
+    }
+}
+
+impl Connectivity for Ancre {
+    fn num_blocks(&self) -> usize {
+        self.num_blocks
+    }
+
+    /// From the recursion `coef(s_j) = e_j + Σ_{i<j} p_ij coef(s_i)`.
+    fn matrix(&self) -> ConnectivityMatrix {
+        let p = self.coefficient_values();
+        let size = self.num_blocks + 1;
+        let mut states: Vec<Vec<f64>> = Vec::with_capacity(size);
+        for j in 0..size {
+            let mut coef = vec![0.0; size];
+            coef[j] = 1.0;
+            for (i, earlier) in states.iter().enumerate() {
+                for (value, contribution) in coef.iter_mut().zip(earlier) {
+                    *value += p[i][j] * contribution;
+                }
+            }
+            states.push(coef);
+        }
+        let mut columns = vec![vec![0.0; size]];
+        columns.extend(states[..self.num_blocks].iter().cloned());
+        let output = states.pop().unwrap_or_default();
+        ConnectivityMatrix::from_columns(&columns, output)
+            .expect("columns of size K+1 by construction")
+    }
+
+    fn truncated(&self, depth: usize) -> Result<Self> {
+        check_depth(depth, 1, self.num_blocks)?;
+        let logits = match self.normalization {
+            // Column j only depends on the logits of target j: keep the first depth targets.
+            Normalization::Ingoing => self.logits.clone().map(|logits| {
+                let trainable = logits.is_require_grad();
+                logits
+                    .narrow(0, 0, depth + 1)
+                    .narrow(1, 0, depth + 1)
+                    .detach()
+                    .set_require_grad(trainable)
+            }),
+            // Row i is normalised over every target: keep them all so p does not change.
+            Normalization::Outgoing => self.logits.clone(),
+        };
+        Ok(Self {
+            logits,
+            num_blocks: depth,
+            ..self.clone()
+        })
+    }
+}
+
+impl<const D: usize> StreamConnectivity<D> for Ancre {
+    type State = AncreState<D>;
+
+    fn start(&self, input: Tensor<D>) -> AncreState<D> {
+        let coefficients = self.coefficients();
+        let pending = (1..=self.num_blocks)
+            .map(|target| scaled(&coefficients, 0, target, input.clone()))
+            .collect();
+        AncreState {
+            stream: input,
+            pending,
+            coefficients,
+        }
+    }
+
+    fn block_input(&self, state: &AncreState<D>) -> Tensor<D> {
+        state.stream.clone()
+    }
+
+    fn step(&self, state: AncreState<D>, block: usize, branch: Tensor<D>) -> AncreState<D> {
+        let source = block + 1;
+        let mut pending = state.pending.into_iter();
+        let mixture = pending
+            .next()
+            .expect("one pending mixture per remaining block");
+        let stream = branch + mixture;
+        let pending = pending
+            .enumerate()
+            .map(|(offset, sum)| {
+                sum + scaled(
+                    &state.coefficients,
+                    source,
+                    source + 1 + offset,
+                    stream.clone(),
+                )
+            })
+            .collect();
+        AncreState {
+            stream,
+            pending,
+            coefficients: state.coefficients,
+        }
+    }
+
+    fn output(&self, state: &AncreState<D>) -> Tensor<D> {
+        state.stream.clone()
+    }
+}
+
+/// `p[source][target] · value`.
+fn scaled<const D: usize>(
+    coefficients: &Tensor<2>,
+    source: usize,
+    target: usize,
+    value: Tensor<D>,
+) -> Tensor<D> {
+    let coefficient = coefficients
+        .clone()
+        .narrow(0, source, 1)
+        .narrow(1, target, 1);
+    value * coefficient.reshape([1usize; D])
+}
+
+#[cfg(test)]
+mod tests {
+    use burn::tensor::Tolerance;
+
+    use super::*;
+    use crate::block::Block;
+    use crate::connectivity::probe_matrix;
+    use crate::stack::Stack;
+    use crate::test_util::{TanhBlock, assert_close, blocks, input};
+
+    fn random_logits(num_blocks: usize) -> AncreInit {
+        let size = num_blocks + 1;
+        let logits = (0..size)
+            .map(|i| {
+                (0..size)
+                    .map(|j| ((3 * i + 7 * j) % 5) as f64 * 0.1 - 0.2)
+                    .collect()
+            })
+            .collect();
+        AncreInit::Values { logits }
+    }
+
+    fn ancre(config: &AncreConfig, num_blocks: usize) -> Ancre {
+        config.init(num_blocks, &Device::flex()).unwrap()
+    }
+
+    /// `s_j = h_j + Σ_{i<j} p_ij s_i` with the whole history kept, `p` from the host.
+    fn history_loop(stack: &Stack<TanhBlock, Ancre>, x: Tensor<3>) -> Tensor<3> {
+        let p = stack.connectivity.coefficient_values();
+        let mut states = vec![x];
+        for (index, block) in stack.blocks.iter().enumerate() {
+            let j = index + 1;
+            let mut next = block.branch(states[index].clone(), &());
+            for (i, state) in states.iter().enumerate() {
+                next = next + state.clone().mul_scalar(p[i][j]);
+            }
+            states.push(next);
+        }
+        states.pop().unwrap()
+    }
+
+    #[test]
+    fn ingoing_columns_and_outgoing_rows_sum_to_one() {
+        for normalization in [Normalization::Ingoing, Normalization::Outgoing] {
+            let config = AncreConfig::new()
+                .with_init(random_logits(5))
+                .with_normalization(normalization);
+            let p = ancre(&config, 5).coefficient_values();
+            for (k, row) in p.iter().enumerate() {
+                let column: f64 = p.iter().map(|source| source[k]).sum();
+                let row_sum: f64 = row.iter().sum();
+                match normalization {
+                    Normalization::Ingoing if k >= 1 => {
+                        assert!((column - 1.0).abs() < 1e-6, "column {k}: {column}")
+                    }
+                    Normalization::Outgoing if k < 5 => {
+                        assert!((row_sum - 1.0).abs() < 1e-6, "row {k}: {row_sum}")
+                    }
+                    _ => {}
+                }
+                assert!(
+                    row[..=k].iter().all(|&value| value == 0.0),
+                    "no shortcut from {k} to an earlier block"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn uniform_init_gives_one_over_j() {
+        let p = ancre(&AncreConfig::new(), 4).coefficient_values();
+        for (i, row) in p.iter().enumerate() {
+            for (j, value) in row.iter().enumerate() {
+                let expected = if i < j { 1.0 / j as f64 } else { 0.0 };
+                assert!((value - expected).abs() < 1e-6, "p[{i}][{j}] = {value}");
+            }
+        }
+    }
+
+    #[test]
+    fn forward_is_the_mixture_over_earlier_states() {
+        let device = Device::flex();
+        for normalization in [Normalization::Ingoing, Normalization::Outgoing] {
+            let config = AncreConfig::new()
+                .with_init(random_logits(5))
+                .with_normalization(normalization);
+            let stack = Stack::new(blocks(5, &device), &config, &device).unwrap();
+            let x = input(&device);
+            assert_close(stack.forward(x.clone()), history_loop(&stack, x));
+        }
+    }
+
+    #[test]
+    fn exact_residual_coefficients_are_the_plain_residual_loop() {
+        let device = Device::flex();
+        let size = 6;
+        let logits = (0..size)
+            .map(|i| {
+                (0..size)
+                    .map(|j| if i + 1 == j { 100.0 } else { 0.0 })
+                    .collect()
+            })
+            .collect();
+        let config = AncreConfig::new().with_init(AncreInit::Values { logits });
+        let stack = Stack::new(blocks(5, &device), &config, &device).unwrap();
+        let x = input(&device);
+        let mut stream = x.clone();
+        for block in &stack.blocks {
+            stream = stream.clone() + block.branch(stream, &());
+        }
+        assert_close(stack.forward(x), stream);
+    }
+
+    #[test]
+    fn residual_preset_is_residual_within_its_tolerance() {
+        let device = Device::flex();
+        for normalization in [Normalization::Ingoing, Normalization::Outgoing] {
+            let config = AncreConfig::residual(1e-4).with_normalization(normalization);
+            let stack = Stack::new(blocks(6, &device), &config, &device).unwrap();
+            let p = stack.connectivity.coefficient_values();
+            for j in 1..=6 {
+                assert!(
+                    p[j - 1][j] >= 1.0 - 1e-4 - 1e-6,
+                    "p[{}][{j}] = {}",
+                    j - 1,
+                    p[j - 1][j]
+                );
+            }
+            assert!(stack.connectivity.distance_to_residual() <= 1e-4 + 1e-6);
+            let x = input(&device);
+            let mut stream = x.clone();
+            for block in &stack.blocks {
+                stream = stream.clone() + block.branch(stream, &());
+            }
+            stack
+                .forward(x)
+                .into_data()
+                .assert_approx_eq::<f32>(&stream.into_data(), Tolerance::absolute(1e-2));
+        }
+    }
+
+    #[test]
+    fn matrix_recursion_equals_probing_the_forward_pass() {
+        for normalization in [Normalization::Ingoing, Normalization::Outgoing] {
+            let config = AncreConfig::new()
+                .with_init(random_logits(6))
+                .with_normalization(normalization);
+            let ancre = ancre(&config, 6);
+            let closed = ancre.matrix();
+            let probed = probe_matrix(&ancre, &Device::flex()).unwrap();
+            assert!(
+                closed.max_abs_diff(&probed) < 1e-5,
+                "{closed:?}\n{probed:?}"
+            );
+            assert!(closed.matrix.iter().all(|row| row[0] == 0.0));
+            assert_eq!(closed.matrix[0][1], 1.0);
+        }
+    }
+
+    #[test]
+    fn truncation_reproduces_the_readout_for_both_normalisations() {
+        let device = Device::flex();
+        for normalization in [Normalization::Ingoing, Normalization::Outgoing] {
+            let config = AncreConfig::new()
+                .with_init(random_logits(5))
+                .with_normalization(normalization);
+            let stack = Stack::new(blocks(5, &device), &config, &device).unwrap();
+            let x = input(&device);
+            let readout = stack.readout(x.clone());
+            assert_close(readout[5].clone(), stack.forward(x.clone()));
+            for (depth, expected) in readout.iter().enumerate().skip(1) {
+                let truncated = stack.truncated(depth).unwrap();
+                assert_close(truncated.forward(x.clone()), expected.clone());
+                assert_eq!(truncated.matrix().num_blocks(), depth);
+            }
+            assert!(matches!(
+                stack.truncated(6),
+                Err(Error::DepthOutOfRange { .. })
+            ));
+        }
+    }
+
+    #[test]
+    fn the_single_source_logit_gets_no_gradient() {
+        let device = Device::flex().autodiff();
+        let config = AncreConfig::new().with_init(random_logits(4));
+        let stack = Stack::new(blocks(4, &device), &config, &device).unwrap();
+        let grads = stack.forward(input(&device)).sum().backward();
+        let grad: Vec<f64> = stack
+            .connectivity
+            .logits
+            .val()
+            .grad(&grads)
+            .unwrap()
+            .into_data()
+            .iter()
+            .collect();
+        assert_eq!(grad[1], 0.0, "c_01 under ingoing normalisation");
+        assert!(grad[2] != 0.0 && grad[5 + 2] != 0.0, "c_02 and c_12 train");
+    }
+
+    #[test]
+    fn entropy_and_distances_of_the_presets() {
+        let uniform = ancre(&AncreConfig::new(), 4);
+        let entropy = uniform.entropy();
+        for (index, value) in entropy.iter().enumerate() {
+            assert!((value - ((index + 1) as f64).ln()).abs() < 1e-6);
+        }
+        assert!(uniform.distance_to_uniform() < 1e-6);
+        // Target j has distance 1 - 1/j from the residual: mean over j = 1..4.
+        let expected = (0.0 + 0.5 + 2.0 / 3.0 + 0.75) / 4.0;
+        assert!((uniform.distance_to_residual() - expected).abs() < 1e-6);
+
+        let residual = ancre(&AncreConfig::residual(1e-5), 4);
+        assert!(residual.entropy().iter().all(|value| *value < 1e-3));
+        assert!(residual.distance_to_uniform() > 0.4);
+    }
+
+    #[test]
+    fn tsallis_entropy_of_the_presets() {
+        let uniform = ancre(&AncreConfig::new(), 4);
+        // q = 2: Σ_j (1 - Σ_i (1/j)^2) = Σ_j (1 - 1/j).
+        let expected: f64 = (1..=4).map(|j| 1.0 - 1.0 / j as f64).sum();
+        let value = uniform.tsallis_entropy(2.0).unwrap().into_scalar::<f64>();
+        assert!((value - expected).abs() < 1e-5, "{value} vs {expected}");
+        let residual = ancre(&AncreConfig::residual(1e-5), 4);
+        assert!(residual.tsallis_entropy(2.0).unwrap().into_scalar::<f64>() < 1e-3);
+        let outgoing = ancre(
+            &AncreConfig::new().with_normalization(Normalization::Outgoing),
+            4,
+        );
+        // Row i is uniform over its K - i targets.
+        let expected: f64 = (0..4).map(|i| 1.0 - 1.0 / (4 - i) as f64).sum();
+        let value = outgoing.tsallis_entropy(2.0).unwrap().into_scalar::<f64>();
+        assert!((value - expected).abs() < 1e-5, "{value} vs {expected}");
+        for q in [1.0, 0.0, -1.0, f64::NAN] {
+            assert!(uniform.tsallis_entropy(q).is_err(), "q = {q}");
+        }
+    }
+
+    #[test]
+    fn invalid_configs_are_errors() {
+        let device = Device::flex();
+        let init = |config: AncreConfig| config.init(3, &device).map(|_| ());
+        assert!(matches!(
+            AncreConfig::new().init(0, &device),
+            Err(Error::NoBlocks)
+        ));
+        assert!(matches!(
+            init(AncreConfig::new().with_temperature(0.0)),
+            Err(Error::OutOfRange { .. })
+        ));
+        assert!(matches!(
+            init(AncreConfig::new().with_temperature(-1.0)),
+            Err(Error::OutOfRange { .. })
+        ));
+        assert!(matches!(
+            init(AncreConfig::new().with_temperature(f64::NAN)),
+            Err(Error::NonFinite { .. })
+        ));
+        assert!(matches!(
+            init(AncreConfig::residual(0.0)),
+            Err(Error::OutOfRange { .. })
+        ));
+        assert!(matches!(
+            init(AncreConfig::residual(1.0)),
+            Err(Error::OutOfRange { .. })
+        ));
+        let wrong_shape = AncreInit::Values {
+            logits: vec![vec![0.0; 4]; 3],
+        };
+        assert!(matches!(
+            init(AncreConfig::new().with_init(wrong_shape)),
+            Err(Error::InvalidMatrix(_))
+        ));
+        let not_finite = AncreInit::Values {
+            logits: vec![vec![f64::INFINITY; 4]; 4],
+        };
+        assert!(matches!(
+            init(AncreConfig::new().with_init(not_finite)),
+            Err(Error::NonFinite { .. })
+        ));
+    }
+}

@@ -1,0 +1,45 @@
+//! Helpers for the unit tests of the connectivity families.
+
+use burn::nn::{Linear, LinearConfig};
+use burn::prelude::*;
+use burn::tensor::{Distribution, Tolerance};
+
+use crate::block::Block;
+
+/// Width of the test blocks.
+pub const WIDTH: usize = 6;
+
+/// `f(x) = tanh(x W + b)`, the golden vectors' block.
+#[derive(Module, Debug)]
+pub struct TanhBlock {
+    pub linear: Linear,
+}
+
+impl<const D: usize> Block<D> for TanhBlock {
+    type Context = ();
+
+    fn branch(&self, input: Tensor<D>, _context: &()) -> Tensor<D> {
+        self.linear.forward(input).tanh()
+    }
+}
+
+/// `num_blocks` randomly initialised tanh blocks of width [`WIDTH`].
+pub fn blocks(num_blocks: usize, device: &Device) -> Vec<TanhBlock> {
+    (0..num_blocks)
+        .map(|_| TanhBlock {
+            linear: LinearConfig::new(WIDTH, WIDTH).init(device),
+        })
+        .collect()
+}
+
+/// A random `[2, 3, WIDTH]` input.
+pub fn input(device: &Device) -> Tensor<3> {
+    Tensor::random([2, 3, WIDTH], Distribution::Normal(0.0, 1.0), device)
+}
+
+/// Entry-wise equality up to 1e-6.
+pub fn assert_close<const D: usize>(actual: Tensor<D>, expected: Tensor<D>) {
+    actual
+        .into_data()
+        .assert_approx_eq::<f32>(&expected.into_data(), Tolerance::absolute(1e-6));
+}

@@ -283,24 +283,8 @@ impl Connectivity for Ancre {
 
     /// From the recursion `coef(s_j) = e_j + Σ_{i<j} p_ij coef(s_i)`.
     fn matrix(&self) -> ConnectivityMatrix {
-        let p = self.coefficient_values();
-        let size = self.num_blocks + 1;
-        let mut states: Vec<Vec<f64>> = Vec::with_capacity(size);
-        for j in 0..size {
-            let mut coef = vec![0.0; size];
-            coef[j] = 1.0;
-            for (i, earlier) in states.iter().enumerate() {
-                for (value, contribution) in coef.iter_mut().zip(earlier) {
-                    *value += p[i][j] * contribution;
-                }
-            }
-            states.push(coef);
-        }
-        let mut columns = vec![vec![0.0; size]];
-        columns.extend(states[..self.num_blocks].iter().cloned());
-        let output = states.pop().unwrap_or_default();
-        ConnectivityMatrix::from_columns(&columns, output)
-            .expect("columns of size K+1 by construction")
+        ConnectivityMatrix::from_stream_mixture(&self.coefficient_values())
+            .expect("p is (K+1) x (K+1) by construction")
     }
 
     fn truncated(&self, depth: usize) -> Result<Self> {

@@ -91,6 +91,10 @@ pub enum Error {
         available: String,
     },
 
+    /// Drawing a chart failed (feature `plot`).
+    #[error("plotting failed: {0}")]
+    Plot(String),
+
     /// Reading or writing a file failed.
     #[error(transparent)]
     Io(#[from] std::io::Error),

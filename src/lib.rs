@@ -11,6 +11,8 @@ mod error;
 pub mod hacn;
 mod matrix;
 mod mlp;
+#[cfg(feature = "plot")]
+pub mod plot;
 mod stack;
 #[cfg(test)]
 mod test_util;

@@ -72,6 +72,39 @@ impl ConnectivityMatrix {
         Self::new(rows, output)
     }
 
+    /// The connectivity of a stack whose states mix earlier states with fixed coefficients,
+    /// `s_j = h_j + Σ_{i<j} a[i][j] s_i`, with output `s_L` (`a` is `(L+1) x (L+1)`, entries
+    /// `i >= j` ignored).
+    ///
+    /// Expanding the recursion, `coef(s_j) = e_j + Σ_{i<j} a[i][j] coef(s_i)`, so
+    /// `C[:, j] = coef(s_{j-1})` and `out = coef(s_L)`.
+    ///
+    /// # Errors
+    /// [`Error::InvalidMatrix`] unless `a` is square and at least `1 x 1`.
+    pub fn from_stream_mixture(a: &[Vec<f64>]) -> Result<Self> {
+        let size = a.len();
+        if size == 0 || a.iter().any(|row| row.len() != size) {
+            return Err(Error::InvalidMatrix(format!(
+                "mixture coefficients must be square and non-empty, got {size} rows"
+            )));
+        }
+        let mut states: Vec<Vec<f64>> = Vec::with_capacity(size);
+        for j in 0..size {
+            let mut coef = vec![0.0; size];
+            coef[j] = 1.0;
+            for (earlier, source) in states.iter().zip(a) {
+                for (value, contribution) in coef.iter_mut().zip(earlier) {
+                    *value += source[j] * contribution;
+                }
+            }
+            states.push(coef);
+        }
+        let output = states.pop().unwrap_or_default();
+        let mut columns = vec![vec![0.0; size]];
+        columns.extend(states);
+        Self::from_columns(&columns, output)
+    }
+
     /// Number of blocks `L` (the matrix is `(L+1) x (L+1)`).
     pub fn num_blocks(&self) -> usize {
         self.output.len() - 1
@@ -190,6 +223,27 @@ mod tests {
         ];
         let matrix = ConnectivityMatrix::from_columns(&columns, vec![1.0; 3]).unwrap();
         assert_eq!(matrix, sample());
+    }
+
+    #[test]
+    fn residual_mixture_is_the_all_ones_upper_triangle() {
+        let size = 4;
+        let residual: Vec<Vec<f64>> = (0..size)
+            .map(|i| {
+                (0..size)
+                    .map(|j| if i + 1 == j { 1.0 } else { 0.0 })
+                    .collect()
+            })
+            .collect();
+        let matrix = ConnectivityMatrix::from_stream_mixture(&residual).unwrap();
+        for (i, row) in matrix.matrix.iter().enumerate() {
+            for (j, value) in row.iter().enumerate() {
+                assert_eq!(*value, if i < j { 1.0 } else { 0.0 });
+            }
+        }
+        assert_eq!(matrix.output, vec![1.0; size]);
+        assert!(ConnectivityMatrix::from_stream_mixture(&[]).is_err());
+        assert!(ConnectivityMatrix::from_stream_mixture(&[vec![0.0; 2]]).is_err());
     }
 
     #[test]

@@ -381,7 +381,7 @@ mod tests {
     use crate::block::Block;
     use crate::connectivity::probe_matrix;
     use crate::stack::Stack;
-    use crate::test_util::{TanhBlock, assert_close, blocks, input};
+    use crate::test_util::{TanhBlock, assert_close, blocks, input, residual_loop};
 
     fn random_logits(num_blocks: usize) -> AncreInit {
         let size = num_blocks + 1;
@@ -393,6 +393,13 @@ mod tests {
             })
             .collect();
         AncreInit::Values { logits }
+    }
+
+    fn random_stack(normalization: Normalization, device: &Device) -> Stack<TanhBlock, Ancre> {
+        let config = AncreConfig::new()
+            .with_init(random_logits(5))
+            .with_normalization(normalization);
+        Stack::new(blocks(5, device), &config, device).unwrap()
     }
 
     fn ancre(config: &AncreConfig, num_blocks: usize) -> Ancre {
@@ -456,10 +463,7 @@ mod tests {
     fn forward_is_the_mixture_over_earlier_states() {
         let device = Device::flex();
         for normalization in [Normalization::Ingoing, Normalization::Outgoing] {
-            let config = AncreConfig::new()
-                .with_init(random_logits(5))
-                .with_normalization(normalization);
-            let stack = Stack::new(blocks(5, &device), &config, &device).unwrap();
+            let stack = random_stack(normalization, &device);
             let x = input(&device);
             assert_close(stack.forward(x.clone()), history_loop(&stack, x));
         }
@@ -479,11 +483,7 @@ mod tests {
         let config = AncreConfig::new().with_init(AncreInit::Values { logits });
         let stack = Stack::new(blocks(5, &device), &config, &device).unwrap();
         let x = input(&device);
-        let mut stream = x.clone();
-        for block in &stack.blocks {
-            stream = stream.clone() + block.branch(stream, &());
-        }
-        assert_close(stack.forward(x), stream);
+        assert_close(stack.forward(x.clone()), residual_loop(&stack.blocks, x));
     }
 
     #[test]
@@ -503,10 +503,7 @@ mod tests {
             }
             assert!(stack.connectivity.distance_to_residual() <= 1e-4 + 1e-6);
             let x = input(&device);
-            let mut stream = x.clone();
-            for block in &stack.blocks {
-                stream = stream.clone() + block.branch(stream, &());
-            }
+            let stream = residual_loop(&stack.blocks, x.clone());
             stack
                 .forward(x)
                 .into_data()
@@ -536,10 +533,7 @@ mod tests {
     fn truncation_reproduces_the_readout_for_both_normalisations() {
         let device = Device::flex();
         for normalization in [Normalization::Ingoing, Normalization::Outgoing] {
-            let config = AncreConfig::new()
-                .with_init(random_logits(5))
-                .with_normalization(normalization);
-            let stack = Stack::new(blocks(5, &device), &config, &device).unwrap();
+            let stack = random_stack(normalization, &device);
             let x = input(&device);
             let readout = stack.readout(x.clone());
             assert_close(readout[5].clone(), stack.forward(x.clone()));

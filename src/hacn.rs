@@ -287,18 +287,14 @@ mod tests {
     use crate::block::Block;
     use crate::connectivity::probe_matrix;
     use crate::stack::Stack;
-    use crate::test_util::{assert_close, blocks, input};
+    use crate::test_util::{assert_close, blocks, input, residual_loop};
 
     #[test]
     fn fixed_unit_gates_are_the_plain_residual_loop() {
         let device = Device::flex();
         let stack = Stack::new(blocks(5, &device), &HacnConfig::resnet(), &device).unwrap();
         let x = input(&device);
-
-        let mut stream = x.clone();
-        for block in &stack.blocks {
-            stream = stream.clone() + block.branch(stream, &());
-        }
+        let stream = residual_loop(&stack.blocks, x.clone());
         let state = stack.run(x.clone(), 5, &()).unwrap();
         assert_close(state.stream, stream.clone());
         assert_close(stack.forward(x), stream);

@@ -37,6 +37,13 @@ pub fn input(device: &Device) -> Tensor<3> {
     Tensor::random([2, 3, WIDTH], Distribution::Normal(0.0, 1.0), device)
 }
 
+/// The plain residual loop `s_j = s_{j-1} + f_j(s_{j-1})`, written out by hand.
+pub fn residual_loop<M: Block<3, Context = ()>>(blocks: &[M], input: Tensor<3>) -> Tensor<3> {
+    blocks.iter().fold(input, |stream, block| {
+        stream.clone() + block.branch(stream, &())
+    })
+}
+
 /// Entry-wise equality up to 1e-6.
 pub fn assert_close<const D: usize>(actual: Tensor<D>, expected: Tensor<D>) {
     actual

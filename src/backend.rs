@@ -88,6 +88,23 @@ pub(crate) fn is_flex(device: &Device) -> bool {
     }
 }
 
+/// Whether `device` has Burn's native FFT kernels (Flex and the CubeCL backends).
+pub(crate) fn has_native_fft(device: &Device) -> bool {
+    use burn::backend::DispatchDevice;
+    match device.clone().without_autodiff().as_dispatch() {
+        #[cfg(feature = "flex")]
+        DispatchDevice::Flex(_) => true,
+        #[cfg(any(
+            feature = "wgpu",
+            feature = "vulkan",
+            feature = "metal",
+            feature = "cuda"
+        ))]
+        DispatchDevice::Cube(_) => true,
+        _ => false,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -101,8 +118,13 @@ mod tests {
     #[test]
     fn flex_is_recognised_under_autodiff() {
         assert!(is_flex(&Device::flex().autodiff()));
+        assert!(has_native_fft(&Device::flex().autodiff()));
         #[cfg(feature = "ndarray")]
-        assert!(!is_flex(&device("ndarray").unwrap().autodiff()));
+        {
+            let ndarray = device("ndarray").unwrap().autodiff();
+            assert!(!is_flex(&ndarray));
+            assert!(!has_native_fft(&ndarray));
+        }
     }
 
     #[test]

@@ -9,6 +9,7 @@ mod connectivity;
 mod depth_ln;
 mod error;
 pub mod hacn;
+pub mod hyperzzw;
 mod matrix;
 mod mlp;
 #[cfg(feature = "plot")]

@@ -31,8 +31,7 @@ fn reload<C: ConnectivityConfig>(
     blocks: usize,
     device: &Device,
 ) -> Stack<MlpBlock, C::Connectivity> {
-    let bytes = model.clone().into_record().into_bytes().unwrap();
-    stack(config, blocks, device).load_record(ModuleRecord::from_bytes(bytes).unwrap())
+    reload_module(model, stack(config, blocks, device))
 }
 
 /// The gradient of every parameter that has one, in visiting order.
@@ -177,4 +176,76 @@ fn truncated_models_save_and_load_as_smaller_models() {
         loaded.forward(x.clone()).into_data(),
         ancre.forward_depth(x, 3).unwrap().into_data()
     );
+}
+
+/// Global (FFT on Flex, matmul DFT on NdArray) and local HyperZZW: outputs and input gradients.
+#[test]
+#[allow(deprecated)]
+fn hyperzzw_operators_agree_across_backends() {
+    use burn_connectivity::hyperzzw::{
+        Crop, LocalHyperZzwConfig, SlowNetConfig, global_hyperzzw_1d, global_hyperzzw_2d,
+    };
+    let (flex, ndarray) = (Device::flex().autodiff(), Device::ndarray().autodiff());
+    let on =
+        |x: &Tensor<3>, device: &Device| Tensor::<3>::from_data(x.to_data(), device).require_grad();
+    let x = Tensor::<3>::random([2, 4, 19], Distribution::Normal(0.0, 1.0), &flex);
+    let target = Tensor::<3>::random([2, 4, 19], Distribution::Normal(0.0, 1.0), &flex);
+
+    let slow = SlowNetConfig::new(vec![19], 4)
+        .with_hidden(8)
+        .with_omega_0(5.0)
+        .init(&flex)
+        .unwrap();
+    let local = LocalHyperZzwConfig::new(4, 5)
+        .with_hidden(8)
+        .with_omega_0(5.0)
+        .init(&flex)
+        .unwrap();
+    let slow_nd = reload_module(
+        &slow,
+        SlowNetConfig::new(vec![19], 4)
+            .with_hidden(8)
+            .init(&ndarray)
+            .unwrap(),
+    );
+    let local_nd = reload_module(
+        &local,
+        LocalHyperZzwConfig::new(4, 5)
+            .with_hidden(8)
+            .init(&ndarray)
+            .unwrap(),
+    );
+
+    let run = |device: &Device,
+               slow: &burn_connectivity::hyperzzw::SlowNet,
+               local: &burn_connectivity::hyperzzw::LocalHyperZzw| {
+        let (x, target) = (on(&x, device), on(&target, device));
+        let global =
+            global_hyperzzw_1d(x.clone(), slow.kernel_1d().unwrap(), Crop::Causal).unwrap();
+        let map = x.clone().reshape([2, 4, 1, 19]);
+        let kernel_2d = slow.kernel_1d().unwrap().reshape([1, 4, 1, 19]);
+        let global_2d = global_hyperzzw_2d(map, kernel_2d, Crop::Same)
+            .unwrap()
+            .reshape([2, 4, 19]);
+        let local = local.forward(x.clone(), target.clone()).unwrap();
+        let outputs = [global.clone(), global_2d.clone(), local.clone()];
+        let loss = (global + global_2d + local) * target;
+        let grads = loss.sum().backward();
+        (
+            outputs.map(|y| y.into_data()),
+            x.grad(&grads).unwrap().into_data(),
+        )
+    };
+    let (outputs, grad) = run(&flex, &slow, &local);
+    let (outputs_nd, grad_nd) = run(&ndarray, &slow_nd, &local_nd);
+    for (y, y_nd) in outputs.iter().zip(&outputs_nd) {
+        y_nd.assert_approx_eq::<f32>(y, Tolerance::absolute(1e-4));
+    }
+    grad_nd.assert_approx_eq::<f32>(&grad, Tolerance::absolute(1e-4));
+}
+
+/// Copies the parameters of `source` into `fresh` (same architecture, any device).
+fn reload_module<M: Module>(source: &M, fresh: M) -> M {
+    let bytes = source.clone().into_record().into_bytes().unwrap();
+    fresh.load_record(ModuleRecord::from_bytes(bytes).unwrap())
 }

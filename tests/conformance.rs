@@ -12,13 +12,10 @@ fn assert_conforms(device: &Device) {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/golden");
     let results = checks::run_dir(&dir, device).expect("golden files load");
     let files: Vec<&str> = results.iter().map(|(file, _)| file.as_str()).collect();
+    let known: Vec<&str> = checks::KNOWN_FILES.iter().map(|(file, _)| *file).collect();
     assert_eq!(
-        files,
-        [
-            "hacn.safetensors",
-            "depth_ln.safetensors",
-            "ancre.safetensors"
-        ]
+        files, known,
+        "every known golden file is shipped and checked"
     );
     for (file, checks) in results {
         assert!(!checks.is_empty(), "{file}: no checks");

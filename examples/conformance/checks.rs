@@ -10,6 +10,9 @@ use std::path::Path;
 use burn::module::Param;
 use burn::nn::Linear;
 use burn::prelude::*;
+use burn_connectivity::hyperzzw::{
+    Crop, LocalHyperZzw, SRenorm, SlowNet, direct_conv_1d, global_hyperzzw_1d, global_hyperzzw_2d,
+};
 use burn_connectivity::{
     AncreConfig, AncreInit, Block, Connectivity, ConnectivityConfig, DepthLnConfig, GateInit,
     HacnConfig, Stack,
@@ -58,10 +61,11 @@ pub struct Golden {
 type Checker = fn(&Golden, &Device) -> Result<Vec<Check>, String>;
 
 /// The golden files this runner knows, and the checks of each.
-pub const KNOWN_FILES: [(&str, Checker); 3] = [
+pub const KNOWN_FILES: [(&str, Checker); 4] = [
     ("hacn.safetensors", check_hacn),
     ("depth_ln.safetensors", check_depth_ln),
     ("ancre.safetensors", check_ancre),
+    ("hyperzzw.safetensors", check_hyperzzw),
 ];
 
 /// Runs the checks of every known golden file present in `dir`.
@@ -234,20 +238,35 @@ impl<const D: usize> Block<D> for TanhBlock {
 }
 
 /// Loads `prefix.{j}.weight` / `prefix.{j}.bias` for every `j` present.
-fn tanh_blocks(golden: &Golden, prefix: &str, device: &Device) -> Result<Vec<TanhBlock>, String> {
-    let mut blocks = Vec::new();
-    while golden.has(&format!("{prefix}.{}.weight", blocks.len())) {
-        let j = blocks.len();
-        let weight = golden.tensor::<2>(&format!("{prefix}.{j}.weight"), device)?;
-        let bias = golden.tensor::<1>(&format!("{prefix}.{j}.bias"), device)?;
-        blocks.push(TanhBlock {
-            linear: Linear {
-                weight: Param::from_tensor(weight),
-                bias: Some(Param::from_tensor(bias)),
-            },
-        });
+/// The linear layer `{prefix}.weight` (`[d_in, d_out]`), `{prefix}.bias`.
+fn golden_linear(golden: &Golden, prefix: &str, device: &Device) -> Result<Linear, String> {
+    Ok(Linear {
+        weight: Param::from_tensor(golden.tensor::<2>(&format!("{prefix}.weight"), device)?),
+        bias: Some(Param::from_tensor(
+            golden.tensor::<1>(&format!("{prefix}.bias"), device)?,
+        )),
+    })
+}
+
+/// The linear layers `{prefix}.{j}` for every `j` present.
+fn golden_linears(golden: &Golden, prefix: &str, device: &Device) -> Result<Vec<Linear>, String> {
+    let mut layers = Vec::new();
+    while golden.has(&format!("{prefix}.{}.weight", layers.len())) {
+        layers.push(golden_linear(
+            golden,
+            &format!("{prefix}.{}", layers.len()),
+            device,
+        )?);
     }
-    Ok(blocks)
+    Ok(layers)
+}
+
+fn tanh_blocks(golden: &Golden, prefix: &str, device: &Device) -> Result<Vec<TanhBlock>, String> {
+    let layers = golden_linears(golden, prefix, device)?;
+    Ok(layers
+        .into_iter()
+        .map(|linear| TanhBlock { linear })
+        .collect())
 }
 
 /// The golden blocks wired by the connectivity `config` builds; checks the block count against
@@ -412,6 +431,94 @@ pub fn check_ancre(golden: &Golden, device: &Device) -> Result<Vec<Check>, Strin
         uniform.connectivity.coefficients(),
         VALUE_TOLERANCE,
     )?);
+    Ok(checks)
+}
+
+/// A slow network stored under `prefix` whose kernel has `grid` points per axis.
+fn golden_slow_net(
+    golden: &Golden,
+    prefix: &str,
+    grid: Vec<usize>,
+    device: &Device,
+) -> Result<SlowNet, String> {
+    Ok(SlowNet {
+        filters: golden_linears(golden, &format!("{prefix}.filters"), device)?,
+        linears: golden_linears(golden, &format!("{prefix}.linears"), device)?,
+        shared_bias: Param::from_tensor(
+            golden.tensor::<1>(&format!("{prefix}.shared_bias"), device)?,
+        ),
+        output: golden_linear(golden, &format!("{prefix}.output"), device)?,
+        grid,
+    })
+}
+
+/// HyperZZW: the 1D and 2D slow-net kernels and coordinates, global HyperZZW (causal and same
+/// in 1D, same in 2D) and the direct convolution, and the local branch (kernel, output and the
+/// gradient with respect to its source).
+pub fn check_hyperzzw(golden: &Golden, device: &Device) -> Result<Vec<Check>, String> {
+    let device = device.clone().autodiff();
+    let error = |err: burn_connectivity::Error| err.to_string();
+    let mut checks = Vec::new();
+
+    let input = golden.tensor::<3>("input1d", &device)?.require_grad();
+    let length = golden.entry("out.kernel1d")?.0[2];
+    let slow = golden_slow_net(golden, "slow", vec![length], &device)?;
+    checks.push(golden.compare_tensor(
+        "slow.coords",
+        slow.coordinates(&device),
+        VALUE_TOLERANCE,
+    )?);
+    let kernel = slow.kernel_1d().map_err(error)?;
+    checks.push(golden.compare_tensor("out.kernel1d", kernel.clone(), VALUE_TOLERANCE)?);
+    for (key, crop) in [
+        ("out.global1d.causal", Crop::Causal),
+        ("out.global1d.same", Crop::Same),
+    ] {
+        let output = global_hyperzzw_1d(input.clone(), kernel.clone(), crop).map_err(error)?;
+        checks.push(golden.compare_tensor(key, output, VALUE_TOLERANCE)?);
+    }
+    let direct = direct_conv_1d(input.clone(), input.clone() * kernel, Crop::Causal);
+    checks.push(golden.compare_tensor("check.direct1d.causal", direct, VALUE_TOLERANCE)?);
+
+    let grid = golden.entry("out.kernel2d")?.0[2..].to_vec();
+    let slow2d = golden_slow_net(golden, "slow2d", grid, &device)?;
+    checks.push(golden.compare_tensor(
+        "slow2d.coords",
+        slow2d.coordinates(&device),
+        VALUE_TOLERANCE,
+    )?);
+    let kernel2d = slow2d.kernel_2d().map_err(error)?;
+    checks.push(golden.compare_tensor("out.kernel2d", kernel2d.clone(), VALUE_TOLERANCE)?);
+    let input2d = golden.tensor::<4>("input2d", &device)?;
+    let output2d = global_hyperzzw_2d(input2d, kernel2d, Crop::Same).map_err(error)?;
+    checks.push(golden.compare_tensor("out.global2d.same", output2d, VALUE_TOLERANCE)?);
+
+    let kernel_size = golden.entry("local.shared_bias")?.0[0];
+    let local = LocalHyperZzw {
+        reduce: golden_linear(golden, "local.reduce", &device)?,
+        context: golden_linear(golden, "local.context", &device)?,
+        slow_net: golden_slow_net(golden, "local", vec![kernel_size], &device)?,
+        modulators: golden_linears(golden, "local.modulators", &device)?,
+        renorm: SRenorm {
+            a: Param::from_tensor(golden.tensor::<1>("local.renorm.a", &device)?),
+            b: Param::from_tensor(golden.tensor::<1>("local.renorm.b", &device)?),
+        },
+    };
+    let target = golden.tensor::<3>("local.target", &device)?;
+    checks.push(golden.compare_tensor(
+        "out.local_kernel",
+        local.kernel(input.clone()).map_err(error)?,
+        VALUE_TOLERANCE,
+    )?);
+    let output = local
+        .forward(input.clone(), target.clone())
+        .map_err(error)?;
+    let grads = (output.clone() * target).sum().backward();
+    checks.push(golden.compare_tensor("out.local1d", output, VALUE_TOLERANCE)?);
+    let input_grad = input
+        .grad(&grads)
+        .ok_or("hyperzzw: the input got no gradient")?;
+    checks.push(golden.compare_tensor("grad.local.input", input_grad, GRADIENT_TOLERANCE)?);
     Ok(checks)
 }
 

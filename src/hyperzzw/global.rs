@@ -1,0 +1,336 @@
+//! Global HyperZZW (paper eqs. 5–7, SPEC 3.2): a context-dependent kernel `K̂ = Z ⊙ K` and the
+//! linear convolution of `Z` with it over the whole sequence or map.
+//!
+//! ```text
+//! K̂   = Z ⊙ K                    K: [1, C, T] (or [1, C, H, W]) broadcast over the batch
+//! Z_g = conv(Z, K̂)               full[t] = Σ_s Z[s] · K̂[t − s],  t = 0..2T−2
+//! ```
+//!
+//! computed as `irfft(rfft(Z, n) · rfft(K̂, n), n)` with zero padding to `n = next_pow2(2T − 1)`
+//! per axis (never circular), then cropped to `T`: **causal** `full[0..T]` (the output at `t`
+//! only sees `Z` at `s <= t`) or **same** `full[(T−1)/2 .. (T−1)/2 + T]`. Any length works, powers
+//! of two or not. On backends without a native FFT the transform is a dense DFT by matrix
+//! products (see [`FftPath`]).
+//!
+//! The `dot` mode of the 2D reference code replaces the convolution by a per-channel matrix
+//! product over the two spatial axes: `Z_g[b, c] = K̂[b, c] @ V[b, c]`.
+
+use burn::prelude::*;
+
+use crate::error::{Error, Result};
+use crate::hyperzzw::fft::FftPath;
+
+/// Which `T` outputs of the full `2T − 1` linear convolution are kept.
+#[derive(Config, Debug, Copy, PartialEq, Eq)]
+pub enum Crop {
+    /// `full[0..T]`: causal, the default for sequences.
+    Causal,
+    /// `full[(T−1)/2 .. (T−1)/2 + T]`: centred, the default for maps.
+    Same,
+}
+
+impl Crop {
+    fn start(self, length: usize) -> usize {
+        match self {
+            Self::Causal => 0,
+            Self::Same => (length - 1) / 2,
+        }
+    }
+}
+
+/// Checks that `kernel` (`[1 or B, C, …]`) fits `z` (`[B, C, …]`) and that nothing is empty.
+fn check_kernel<const D: usize>(z: &Tensor<D>, kernel: &Tensor<D>) -> Result<()> {
+    let (z_dims, k_dims) = (z.dims(), kernel.dims());
+    if z_dims.contains(&0) {
+        return Err(Error::OutOfRange {
+            name: "HyperZZW input size",
+            value: 0.0,
+            requirement: ">= 1 on every axis",
+        });
+    }
+    if k_dims[0] != 1 && k_dims[0] != z_dims[0] {
+        return Err(Error::WidthMismatch {
+            name: "kernel batch (1 or the input's)".into(),
+            expected: z_dims[0],
+            found: k_dims[0],
+        });
+    }
+    for axis in 1..D {
+        if k_dims[axis] != z_dims[axis] {
+            return Err(Error::WidthMismatch {
+                name: format!("kernel axis {axis}"),
+                expected: z_dims[axis],
+                found: k_dims[axis],
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Global HyperZZW over sequences: `conv(Z, Z ⊙ K)` cropped to `T`.
+///
+/// `z`: `[B, C, T]`; `kernel`: `[1, C, T]` (the slow network's output) or `[B, C, T]`.
+///
+/// # Errors
+/// [`Error::WidthMismatch`] or [`Error::OutOfRange`] for shapes that do not fit.
+pub fn global_hyperzzw_1d(z: Tensor<3>, kernel: Tensor<3>, crop: Crop) -> Result<Tensor<3>> {
+    check_kernel(&z, &kernel)?;
+    let context_kernel = z.clone() * kernel;
+    let path = FftPath::for_device(&z.device());
+    Ok(fft_conv_1d(z, context_kernel, crop, path))
+}
+
+/// Global HyperZZW over maps: `conv2d(Z, Z ⊙ K)` cropped to `H x W`.
+///
+/// `z`: `[B, C, H, W]`; `kernel`: `[1, C, H, W]` or `[B, C, H, W]`.
+///
+/// # Errors
+/// [`Error::WidthMismatch`] or [`Error::OutOfRange`] for shapes that do not fit.
+pub fn global_hyperzzw_2d(z: Tensor<4>, kernel: Tensor<4>, crop: Crop) -> Result<Tensor<4>> {
+    check_kernel(&z, &kernel)?;
+    let context_kernel = z.clone() * kernel;
+    let path = FftPath::for_device(&z.device());
+    Ok(fft_conv_2d(z, context_kernel, crop, path))
+}
+
+/// The `dot` mode of the 2D reference code: `(Z ⊙ K) @ V` per sample and channel, for square
+/// maps whose side is the kernel size.
+///
+/// # Errors
+/// [`Error::WidthMismatch`] unless `z`, `kernel` and `values` are square maps of one size
+/// (`kernel` with batch 1 or `B`).
+pub fn global_hyperzzw_dot(
+    z: Tensor<4>,
+    kernel: Tensor<4>,
+    values: Tensor<4>,
+) -> Result<Tensor<4>> {
+    check_kernel(&z, &kernel)?;
+    let [_, _, rows, columns] = z.dims();
+    if rows != columns {
+        return Err(Error::WidthMismatch {
+            name: "dot mode needs square maps".into(),
+            expected: rows,
+            found: columns,
+        });
+    }
+    if values.dims() != z.dims() {
+        let found = values.dims()[3];
+        return Err(Error::WidthMismatch {
+            name: "dot-mode values".into(),
+            expected: columns,
+            found,
+        });
+    }
+    Ok((z * kernel).matmul(values))
+}
+
+/// Linear convolution along the last axis by FFT, cropped to the signal length.
+pub(crate) fn fft_conv_1d(
+    signal: Tensor<3>,
+    kernel: Tensor<3>,
+    crop: Crop,
+    path: FftPath,
+) -> Tensor<3> {
+    let length = signal.dims()[2];
+    let n = (2 * length - 1).next_power_of_two();
+    let (signal_re, signal_im) = path.rfft(signal, 2, n);
+    let (kernel_re, kernel_im) = path.rfft(kernel, 2, n);
+    let (re, im) = complex_mul((signal_re, signal_im), (kernel_re, kernel_im));
+    path.irfft(re, im, 2, n)
+        .narrow(2, crop.start(length), length)
+}
+
+/// Linear convolution over the last two axes by FFT, cropped to the map size.
+pub(crate) fn fft_conv_2d(
+    signal: Tensor<4>,
+    kernel: Tensor<4>,
+    crop: Crop,
+    path: FftPath,
+) -> Tensor<4> {
+    let [_, _, rows, columns] = signal.dims();
+    let (n_rows, n_columns) = (
+        (2 * rows - 1).next_power_of_two(),
+        (2 * columns - 1).next_power_of_two(),
+    );
+    let spectrum = |x: Tensor<4>| {
+        let (re, im) = path.rfft(x, 3, n_columns);
+        path.cfft(re, im, 2, n_rows, false)
+    };
+    let (re, im) = complex_mul(spectrum(signal), spectrum(kernel));
+    let (re, im) = path.cfft(re, im, 2, n_rows, true);
+    path.irfft(re, im, 3, n_columns)
+        .narrow(2, crop.start(rows), rows)
+        .narrow(3, crop.start(columns), columns)
+}
+
+fn complex_mul<const D: usize>(
+    (a_re, a_im): (Tensor<D>, Tensor<D>),
+    (b_re, b_im): (Tensor<D>, Tensor<D>),
+) -> (Tensor<D>, Tensor<D>) {
+    let re = a_re.clone() * b_re.clone() - a_im.clone() * b_im.clone();
+    let im = a_re * b_im + a_im * b_re;
+    (re, im)
+}
+
+/// The same linear convolution computed directly, `O(T²)`: `full[t] = Σ_s x[s] k[t − s]`,
+/// cropped. The reference the FFT path is tested and benchmarked against.
+///
+/// `signal`: `[B, C, T]`; `kernel`: `[B, C, T]`.
+pub fn direct_conv_1d(signal: Tensor<3>, kernel: Tensor<3>, crop: Crop) -> Tensor<3> {
+    let [batch, channels, length] = signal.dims();
+    // One group per (sample, channel); cross-correlation with the flipped kernel is convolution.
+    let groups = batch * channels;
+    let weight = kernel.flip([2]).reshape([groups, 1, length]);
+    let options = burn::tensor::ops::ConvOptions::new([1], [length - 1], [1], groups);
+    let full =
+        burn::tensor::module::conv1d(signal.reshape([1, groups, length]), weight, None, options);
+    full.reshape([batch, channels, 2 * length - 1])
+        .narrow(2, crop.start(length), length)
+}
+
+#[cfg(test)]
+mod tests {
+    use burn::tensor::{Distribution, Tolerance};
+
+    use super::*;
+
+    fn random<const D: usize>(shape: [usize; D], device: &Device) -> Tensor<D> {
+        Tensor::random(shape, Distribution::Normal(0.0, 1.0), device)
+    }
+
+    /// Direct 2D linear convolution on the host, cropped.
+    fn host_conv_2d(x: &[f64], k: &[f64], rows: usize, columns: usize, crop: Crop) -> Vec<f64> {
+        let (r0, c0) = (crop.start(rows), crop.start(columns));
+        let mut out = vec![0.0; rows * columns];
+        for (index, value) in out.iter_mut().enumerate() {
+            let (i, j) = (index / columns + r0, index % columns + c0);
+            for (s, t) in (0..rows).flat_map(|s| (0..columns).map(move |t| (s, t))) {
+                if i >= s && j >= t && i - s < rows && j - t < columns {
+                    *value += x[s * columns + t] * k[(i - s) * columns + (j - t)];
+                }
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn fft_matches_direct_convolution_for_any_length_on_both_paths() {
+        let device = Device::flex();
+        for length in [1, 2, 5, 12, 16, 33] {
+            let (x, k) = (
+                random([2, 3, length], &device),
+                random([2, 3, length], &device),
+            );
+            for crop in [Crop::Causal, Crop::Same] {
+                let direct = direct_conv_1d(x.clone(), k.clone(), crop).into_data();
+                for path in [FftPath::Native, FftPath::Matmul] {
+                    let fft = fft_conv_1d(x.clone(), k.clone(), crop, path).into_data();
+                    fft.assert_approx_eq::<f32>(&direct, Tolerance::absolute(1e-5));
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn two_dimensional_fft_matches_a_host_convolution() {
+        let device = Device::flex();
+        for (rows, columns) in [(5, 6), (4, 4), (1, 3)] {
+            let (x, k) = (
+                random([1, 1, rows, columns], &device),
+                random([1, 1, rows, columns], &device),
+            );
+            let (xs, ks): (Vec<f64>, Vec<f64>) =
+                (x.to_data().iter().collect(), k.to_data().iter().collect());
+            for crop in [Crop::Causal, Crop::Same] {
+                let expected = host_conv_2d(&xs, &ks, rows, columns, crop);
+                let expected = TensorData::new(expected, [1, 1, rows, columns]);
+                for path in [FftPath::Native, FftPath::Matmul] {
+                    let fft = fft_conv_2d(x.clone(), k.clone(), crop, path)
+                        .into_data()
+                        .convert::<f64>();
+                    fft.assert_approx_eq::<f64>(&expected, Tolerance::absolute(1e-5));
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn causal_output_ignores_the_future() {
+        let device = Device::flex();
+        let z = random([1, 2, 10], &device);
+        let kernel = random([1, 2, 10], &device);
+        let base = global_hyperzzw_1d(z.clone(), kernel.clone(), Crop::Causal).unwrap();
+        // Changing z at t >= 6 leaves outputs at t < 6 unchanged.
+        let changed = z
+            .clone()
+            .slice_assign([0..1, 0..2, 6..10], random([1, 2, 4], &device));
+        let other = global_hyperzzw_1d(changed, kernel, Crop::Causal).unwrap();
+        base.narrow(2, 0, 6).into_data().assert_approx_eq::<f32>(
+            &other.narrow(2, 0, 6).into_data(),
+            Tolerance::absolute(1e-5),
+        );
+    }
+
+    #[test]
+    fn the_context_kernel_is_z_times_k() {
+        let device = Device::flex();
+        let (z, kernel) = (random([2, 3, 9], &device), random([1, 3, 9], &device));
+        let expected = direct_conv_1d(z.clone(), z.clone() * kernel.clone(), Crop::Same);
+        let actual = global_hyperzzw_1d(z, kernel, Crop::Same).unwrap();
+        actual
+            .into_data()
+            .assert_approx_eq::<f32>(&expected.into_data(), Tolerance::absolute(1e-5));
+    }
+
+    #[test]
+    fn dot_mode_is_a_per_channel_matrix_product() {
+        let device = Device::flex();
+        let (z, kernel, values) = (
+            random([2, 3, 4, 4], &device),
+            random([1, 3, 4, 4], &device),
+            random([2, 3, 4, 4], &device),
+        );
+        let out = global_hyperzzw_dot(z.clone(), kernel.clone(), values.clone()).unwrap();
+        let expected = (z.clone() * kernel.clone())
+            .narrow(0, 1, 1)
+            .narrow(1, 2, 1)
+            .reshape([4, 4])
+            .matmul(
+                values
+                    .clone()
+                    .narrow(0, 1, 1)
+                    .narrow(1, 2, 1)
+                    .reshape([4, 4]),
+            );
+        out.narrow(0, 1, 1)
+            .narrow(1, 2, 1)
+            .reshape([4, 4])
+            .into_data()
+            .assert_approx_eq::<f32>(&expected.into_data(), Tolerance::absolute(1e-5));
+        assert!(
+            global_hyperzzw_dot(
+                random([1, 1, 4, 5], &device),
+                random([1, 1, 4, 5], &device),
+                random([1, 1, 4, 5], &device)
+            )
+            .is_err()
+        );
+    }
+
+    #[test]
+    fn mismatched_shapes_are_errors() {
+        let device = Device::flex();
+        let z = random([2, 3, 8], &device);
+        assert!(global_hyperzzw_1d(z.clone(), random([1, 4, 8], &device), Crop::Causal).is_err());
+        assert!(global_hyperzzw_1d(z.clone(), random([1, 3, 7], &device), Crop::Causal).is_err());
+        assert!(global_hyperzzw_1d(z, random([3, 3, 8], &device), Crop::Causal).is_err());
+        assert!(
+            global_hyperzzw_2d(
+                random([1, 2, 4, 4], &device),
+                random([1, 2, 4, 5], &device),
+                Crop::Same
+            )
+            .is_err()
+        );
+    }
+}

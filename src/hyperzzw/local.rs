@@ -1,0 +1,317 @@
+//! Local HyperZZW (paper eqs. 8–9, SPEC 3.3): kernels of size `k` generated from the context of
+//! a source tensor, applied as a depthwise "same" convolution to a target tensor.
+//!
+//! ```text
+//! u   = GELU( mean_batch( pool_k(X_src) R + r ) U + v )           [k, h]   (pool: adaptive average)
+//! z_0 = sin(c A_0 + a_0)                                          c: the k-point grid
+//! z_i = sin(c A_i + a_i) ⊙ (z_{i-1} B_{i-1} + b_{i-1}) + P
+//! z_i = s_renorm(z_i) ⊙ (u F_{i-1} + f_{i-1})                     F init U(±√(3/h)), f = 1
+//! K   = z_L W_o + w_o                                             [k, C] → depthwise [C, 1, k]
+//! Y   = depthwise_conv(X_tgt, K)                                  zero padding (k−1)/2, cross-correlation
+//! s_renorm(z)_j = a_j z_j + b_j z_j / max(‖z_j‖₂, 1e-12)         norm over the grid; a = 1, b = 0.1, learnable
+//! ```
+//!
+//! The source and target may differ (MuHKGen: a kernel made from one branch convolves another).
+//! The batch mean makes the output depend on the batch's composition, as in the paper.
+//! **Decision** (SPEC): `a`, `b` are learnable and the identity term is not detached, unlike
+//! the reference code (where they are unregistered constants 1 and 0.1).
+
+use burn::module::Param;
+use burn::nn::Linear;
+use burn::prelude::*;
+use burn::tensor::Distribution;
+use burn::tensor::module::{adaptive_avg_pool1d, conv1d};
+use burn::tensor::ops::ConvOptions;
+
+use crate::activation::gelu;
+use crate::error::{Error, Result, check_size};
+use crate::hyperzzw::slow_net::{SlowNet, SlowNetConfig, linear};
+
+/// Configuration of [`LocalHyperZzw`].
+#[derive(Config, Debug)]
+pub struct LocalHyperZzwConfig {
+    /// Channels `C` of the source and target.
+    pub channels: usize,
+    /// Kernel size `k` (odd; the reference uses 3, 5, 7, 9).
+    pub kernel_size: usize,
+    /// Hidden width `h` of the kernel generator (reference 32).
+    #[config(default = 32)]
+    pub hidden: usize,
+    /// Multiplicative layers `L` (reference 2).
+    #[config(default = 2)]
+    pub layers: usize,
+    /// Frequency scale ω0 of the sine filters.
+    #[config(default = 2000.0)]
+    pub omega_0: f64,
+}
+
+impl LocalHyperZzwConfig {
+    /// Builds the branch.
+    ///
+    /// # Errors
+    /// Zero sizes, an even kernel size, a non-positive ω0.
+    pub fn init(&self, device: &Device) -> Result<LocalHyperZzw> {
+        check_size("local HyperZZW channels", self.channels)?;
+        check_size("local HyperZZW kernel size", self.kernel_size)?;
+        if self.kernel_size.is_multiple_of(2) {
+            return Err(Error::OutOfRange {
+                name: "local HyperZZW kernel size",
+                value: self.kernel_size as f64,
+                requirement: "odd (a 'same' convolution)",
+            });
+        }
+        let slow_net = SlowNetConfig::new(vec![self.kernel_size], self.channels)
+            .with_hidden(self.hidden)
+            .with_layers(self.layers)
+            .with_omega_0(self.omega_0)
+            .init(device)?;
+        let hidden = self.hidden;
+        // PyTorch's default 1x1-conv init, U(±1/√fan_in) for weight and bias (reference code).
+        let default_linear = |d_in: usize, d_out: usize| {
+            let uniform =
+                Distribution::Uniform(-1.0 / (d_in as f64).sqrt(), 1.0 / (d_in as f64).sqrt());
+            linear(
+                Tensor::random([d_in, d_out], uniform, device),
+                Tensor::random([d_out], uniform, device),
+            )
+        };
+        let bound = (3.0 / hidden as f64).sqrt();
+        let modulators = (0..self.layers)
+            .map(|_| {
+                linear(
+                    Tensor::random(
+                        [hidden, hidden],
+                        Distribution::Uniform(-bound, bound),
+                        device,
+                    ),
+                    Tensor::ones([hidden], device),
+                )
+            })
+            .collect();
+        Ok(LocalHyperZzw {
+            reduce: default_linear(self.channels, hidden),
+            context: default_linear(hidden, hidden),
+            slow_net,
+            modulators,
+            renorm: SRenorm {
+                a: Param::from_tensor(Tensor::ones([hidden], device)),
+                b: Param::from_tensor(Tensor::full([hidden], 0.1, device)),
+            },
+        })
+    }
+}
+
+/// `s_renorm(z)_j = a_j z_j + b_j z_j / max(‖z_j‖₂, 1e-12)`, the norm over the grid points.
+#[derive(Module, Debug)]
+pub struct SRenorm {
+    /// Identity weight `a`, `[h]`, init 1.
+    pub a: Param<Tensor<1>>,
+    /// Normalised weight `b`, `[h]`, init 0.1.
+    pub b: Param<Tensor<1>>,
+}
+
+impl SRenorm {
+    /// Applies it to `z: [points, h]`.
+    pub fn forward(&self, z: Tensor<2>) -> Tensor<2> {
+        let hidden = self.a.dims()[0];
+        let norm = z
+            .clone()
+            .powf_scalar(2.0)
+            .sum_dim(0)
+            .sqrt()
+            .clamp_min(1e-12);
+        let (a, b) = (
+            self.a.val().reshape([1, hidden]),
+            self.b.val().reshape([1, hidden]),
+        );
+        z.clone() * a + z / norm * b
+    }
+}
+
+/// A local HyperZZW branch (see the [module docs](self)).
+#[derive(Module, Debug)]
+pub struct LocalHyperZzw {
+    /// `C → h` on the pooled source.
+    pub reduce: Linear,
+    /// `h → h` before the GELU.
+    pub context: Linear,
+    /// The kernel generator on the `k`-point grid.
+    pub slow_net: SlowNet,
+    /// `F_i, f_i`: the context modulation after each multiplicative layer.
+    pub modulators: Vec<Linear>,
+    /// The s-renormalisation.
+    pub renorm: SRenorm,
+}
+
+impl LocalHyperZzw {
+    /// Kernel size `k`.
+    pub fn kernel_size(&self) -> usize {
+        self.slow_net.grid[0]
+    }
+
+    /// Channels `C`.
+    pub fn channels(&self) -> usize {
+        self.slow_net.out_channels()
+    }
+
+    /// The context `u: [k, h]` of `source: [B, C, T]`.
+    fn context(&self, source: Tensor<3>) -> Tensor<2> {
+        let k = self.kernel_size();
+        let pooled = adaptive_avg_pool1d(source, k).swap_dims(1, 2);
+        let reduced = self.reduce.forward(pooled).mean_dim(0);
+        let hidden = reduced.dims()[2];
+        gelu(self.context.forward(reduced.reshape([k, hidden])))
+    }
+
+    /// The context-dependent kernel of `source: [B, C, T]`, as `[1, C, k]`.
+    ///
+    /// # Errors
+    /// [`Error::WidthMismatch`] if `source` does not have `C` channels, [`Error::OutOfRange`]
+    /// if it is empty.
+    pub fn kernel(&self, source: Tensor<3>) -> Result<Tensor<3>> {
+        self.check(&source, "local HyperZZW source channels")?;
+        let context = self.context(source);
+        let hidden = self.slow_net.hidden_with(|layer, z| {
+            self.renorm.forward(z) * self.modulators[layer].forward(context.clone())
+        });
+        let kernel = self.slow_net.output.forward(hidden);
+        Ok(kernel.transpose().unsqueeze_dim(0))
+    }
+
+    /// `depthwise_conv(target, kernel(source))`, both `[B, C, T]`.
+    ///
+    /// # Errors
+    /// As [`LocalHyperZzw::kernel`], for either tensor.
+    pub fn forward(&self, source: Tensor<3>, target: Tensor<3>) -> Result<Tensor<3>> {
+        self.check(&target, "local HyperZZW target channels")?;
+        let kernel = self.kernel(source)?;
+        let (channels, k) = (self.channels(), self.kernel_size());
+        let options = ConvOptions::new([1], [(k - 1) / 2], [1], channels);
+        Ok(conv1d(
+            target,
+            kernel.reshape([channels, 1, k]),
+            None,
+            options,
+        ))
+    }
+
+    fn check(&self, x: &Tensor<3>, name: &str) -> Result<()> {
+        let dims = x.dims();
+        if dims.contains(&0) {
+            return Err(Error::OutOfRange {
+                name: "local HyperZZW input size",
+                value: 0.0,
+                requirement: ">= 1 on every axis",
+            });
+        }
+        if dims[1] != self.channels() {
+            return Err(Error::WidthMismatch {
+                name: name.to_string(),
+                expected: self.channels(),
+                found: dims[1],
+            });
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use burn::tensor::Tolerance;
+
+    use super::*;
+
+    #[test]
+    fn output_keeps_the_target_shape_and_kernel_is_depthwise() {
+        let device = Device::flex();
+        let branch = LocalHyperZzwConfig::new(4, 5)
+            .with_hidden(8)
+            .with_omega_0(10.0)
+            .init(&device)
+            .unwrap();
+        let source = Tensor::<3>::random([2, 4, 12], Distribution::Normal(0.0, 1.0), &device);
+        let target = Tensor::<3>::random([2, 4, 12], Distribution::Normal(0.0, 1.0), &device);
+        assert_eq!(branch.kernel(source.clone()).unwrap().dims(), [1, 4, 5]);
+        assert_eq!(branch.forward(source, target).unwrap().dims(), [2, 4, 12]);
+    }
+
+    #[test]
+    fn convolution_is_a_zero_padded_cross_correlation() {
+        let device = Device::flex();
+        let branch = LocalHyperZzwConfig::new(1, 3)
+            .with_hidden(4)
+            .init(&device)
+            .unwrap();
+        let source = Tensor::<3>::random([1, 1, 6], Distribution::Normal(0.0, 1.0), &device);
+        let target = Tensor::<3>::random([1, 1, 6], Distribution::Normal(0.0, 1.0), &device);
+        let kernel: Vec<f64> = branch
+            .kernel(source.clone())
+            .unwrap()
+            .into_data()
+            .iter()
+            .collect();
+        let x: Vec<f64> = target.to_data().iter().collect();
+        let expected: Vec<f64> = (0usize..6)
+            .map(|t| {
+                (0..3)
+                    .filter_map(|j| {
+                        (t + j)
+                            .checked_sub(1)
+                            .filter(|&s| s < 6)
+                            .map(|s| x[s] * kernel[j])
+                    })
+                    .sum()
+            })
+            .collect();
+        branch
+            .forward(source, target)
+            .unwrap()
+            .into_data()
+            .convert::<f64>()
+            .assert_approx_eq::<f64>(
+                &TensorData::new(expected, [1, 1, 6]),
+                Tolerance::absolute(1e-5),
+            );
+    }
+
+    #[test]
+    fn s_renorm_adds_a_unit_norm_term() {
+        let device = Device::flex();
+        let renorm = SRenorm {
+            a: Param::from_tensor(Tensor::ones([2], &device)),
+            b: Param::from_tensor(Tensor::full([2], 0.1, &device)),
+        };
+        let z = Tensor::<2>::from_floats([[3.0, 0.0], [4.0, 0.0]], &device);
+        let values: Vec<f64> = renorm.forward(z).into_data().iter().collect();
+        let expected = [3.0 + 0.1 * 0.6, 0.0, 4.0 + 0.1 * 0.8, 0.0];
+        assert!(
+            values
+                .iter()
+                .zip(expected)
+                .all(|(v, e)| (v - e).abs() < 1e-6),
+            "{values:?}"
+        );
+    }
+
+    #[test]
+    fn invalid_configs_and_inputs_are_errors() {
+        let device = Device::flex();
+        assert!(LocalHyperZzwConfig::new(4, 4).init(&device).is_err());
+        assert!(LocalHyperZzwConfig::new(0, 3).init(&device).is_err());
+        assert!(LocalHyperZzwConfig::new(4, 0).init(&device).is_err());
+        let branch = LocalHyperZzwConfig::new(4, 3)
+            .with_hidden(4)
+            .init(&device)
+            .unwrap();
+        let wrong = Tensor::<3>::zeros([1, 3, 8], &device);
+        let right = Tensor::<3>::zeros([1, 4, 8], &device);
+        assert!(matches!(
+            branch.forward(wrong.clone(), right.clone()),
+            Err(Error::WidthMismatch { .. })
+        ));
+        assert!(matches!(
+            branch.forward(right, wrong),
+            Err(Error::WidthMismatch { .. })
+        ));
+    }
+}

@@ -1,0 +1,368 @@
+//! The slow network: a multiplicative sinusoidal filter network that generates hyper-kernels
+//! from a coordinate grid (SPEC 3.1).
+//!
+//! With coordinates `c` (`[points, D]`, `linspace(-1, 1, n)` per axis, 'ij' order, row-major):
+//!
+//! ```text
+//! g_l(c) = sin(c A_l + a_l)                               l = 0..L
+//! z_0    = g_0(c)
+//! z_i    = g_i(c) ⊙ (z_{i-1} B_{i-1} + b_{i-1}) + P        i = 1..L, P: [points] shared by all channels
+//! K      = z_L W_o + w_o                                   [points, C_out]
+//! ```
+//!
+//! Init (reference code): `A_l = U(±1/√D) · 2π ω0 γ_l` with `γ_l ~ Gamma(6/(l+1), 1)` drawn once
+//! (not trained), `a_l = 0`; `B_i = U(±√(3/h))`, `b_i = 1`; `P = 0`; `W_o = U(±√(3/h)) / √points`
+//! (Chang scaling, applied once), `w_o = 0`. The kernel does not depend on the data: compute it
+//! once per forward pass.
+
+use burn::module::Param;
+use burn::nn::{Linear, LinearConfig};
+use burn::prelude::*;
+use burn::tensor::Distribution;
+
+use crate::error::{Error, Result, check_positive, check_size};
+
+/// Configuration of [`SlowNet`].
+#[derive(Config, Debug)]
+pub struct SlowNetConfig {
+    /// Kernel points per axis: `[T]` for a 1D kernel, `[H, W]` for a 2D one.
+    pub grid: Vec<usize>,
+    /// Output channels `C_out` of the kernel.
+    pub out_channels: usize,
+    /// Hidden width `h` (reference: 64 global, 32 local, 16–32 channel nets).
+    #[config(default = 32)]
+    pub hidden: usize,
+    /// Number of multiplicative layers `L` (`L + 1` sine filters).
+    #[config(default = 2)]
+    pub layers: usize,
+    /// Frequency scale ω0 (reference 2000; smaller gives smoother kernels).
+    #[config(default = 2000.0)]
+    pub omega_0: f64,
+}
+
+impl SlowNetConfig {
+    /// Builds the network.
+    ///
+    /// # Errors
+    /// A grid that is not 1D or 2D or has an empty axis, zero sizes, a non-positive ω0.
+    pub fn init(&self, device: &Device) -> Result<SlowNet> {
+        if self.grid.is_empty() || self.grid.len() > 2 {
+            return Err(Error::OutOfRange {
+                name: "slow-net grid rank",
+                value: self.grid.len() as f64,
+                requirement: "1 or 2",
+            });
+        }
+        for &size in &self.grid {
+            check_size("slow-net grid size", size)?;
+        }
+        check_size("slow-net output channels", self.out_channels)?;
+        check_size("slow-net hidden width", self.hidden)?;
+        check_positive("slow-net omega_0", self.omega_0)?;
+
+        let dims = self.grid.len();
+        let points: usize = self.grid.iter().product();
+        let hidden = self.hidden;
+        let filters = (0..=self.layers)
+            .map(|layer| {
+                let bound = 1.0 / (dims as f64).sqrt();
+                let uniform = Tensor::<2>::random(
+                    [dims, hidden],
+                    Distribution::Uniform(-bound, bound),
+                    device,
+                );
+                let gamma = gamma_samples(6.0 / (layer + 1) as f64, dims * hidden, device);
+                let gamma = Tensor::<2>::from_data(TensorData::new(gamma, [dims, hidden]), device);
+                let weight = uniform * gamma.mul_scalar(2.0 * std::f64::consts::PI * self.omega_0);
+                linear(weight, Tensor::zeros([hidden], device))
+            })
+            .collect();
+        let bound = (3.0 / hidden as f64).sqrt();
+        let linears = (0..self.layers)
+            .map(|_| {
+                let weight = Tensor::random(
+                    [hidden, hidden],
+                    Distribution::Uniform(-bound, bound),
+                    device,
+                );
+                linear(weight, Tensor::ones([hidden], device))
+            })
+            .collect();
+        let output = Tensor::<2>::random(
+            [hidden, self.out_channels],
+            Distribution::Uniform(-bound, bound),
+            device,
+        )
+        .div_scalar((points as f64).sqrt());
+        Ok(SlowNet {
+            filters,
+            linears,
+            shared_bias: Param::from_tensor(Tensor::zeros([points], device)),
+            output: linear(output, Tensor::zeros([self.out_channels], device)),
+            grid: self.grid.clone(),
+        })
+    }
+}
+
+/// A linear layer with the given `[d_in, d_out]` weight and bias.
+pub(crate) fn linear(weight: Tensor<2>, bias: Tensor<1>) -> Linear {
+    let [d_in, d_out] = weight.dims();
+    let mut layer = LinearConfig::new(d_in, d_out).init(&weight.device());
+    layer.weight = Param::from_tensor(weight);
+    layer.bias = Some(Param::from_tensor(bias));
+    layer
+}
+
+/// The slow network (see the [module docs](self)).
+#[derive(Module, Debug)]
+pub struct SlowNet {
+    /// The sine filters `c ↦ c A_l + a_l`, `D → h`, `L + 1` of them.
+    pub filters: Vec<Linear>,
+    /// The hidden linears `B_i, b_i`, `h → h`, `L` of them.
+    pub linears: Vec<Linear>,
+    /// The bias map `P`, one value per grid point, shared by all hidden channels.
+    pub shared_bias: Param<Tensor<1>>,
+    /// The output layer `W_o, w_o`, `h → C_out`.
+    pub output: Linear,
+    /// Kernel points per axis.
+    pub grid: Vec<usize>,
+}
+
+impl SlowNet {
+    /// The coordinate grid `[points, D]`: `linspace(-1, 1, n)` per axis, 'ij' order.
+    pub fn coordinates(&self, device: &Device) -> Tensor<2> {
+        let axis = |n: usize, i: usize| {
+            if n == 1 {
+                -1.0
+            } else {
+                -1.0 + 2.0 * i as f64 / (n - 1) as f64
+            }
+        };
+        let points: usize = self.grid.iter().product();
+        let values: Vec<f64> = match self.grid.as_slice() {
+            [n] => (0..*n).map(|i| axis(*n, i)).collect(),
+            [rows, columns] => (0..points)
+                .flat_map(|p| [axis(*rows, p / columns), axis(*columns, p % columns)])
+                .collect(),
+            _ => unreachable!("the config only builds 1D and 2D grids"),
+        };
+        Tensor::from_data(TensorData::new(values, [points, self.grid.len()]), device)
+    }
+
+    /// The hidden features `z_L` (`[points, h]`), with `after_layer(i, z_i)` applied after each
+    /// multiplicative layer `i = 0..L-1` (the local kernel generator modulates there).
+    pub(crate) fn hidden_with(
+        &self,
+        mut after_layer: impl FnMut(usize, Tensor<2>) -> Tensor<2>,
+    ) -> Tensor<2> {
+        let device = self.shared_bias.device();
+        let coordinates = self.coordinates(&device);
+        let filter = |layer: &Linear| layer.forward(coordinates.clone()).sin();
+        let points = self.shared_bias.dims()[0];
+        let shared_bias = self.shared_bias.val().reshape([points, 1]);
+        let mut hidden = filter(&self.filters[0]);
+        for (index, (sine, linear)) in self.filters[1..].iter().zip(&self.linears).enumerate() {
+            hidden = filter(sine) * linear.forward(hidden) + shared_bias.clone();
+            hidden = after_layer(index, hidden);
+        }
+        hidden
+    }
+
+    /// The kernel as `[points, C_out]`.
+    pub fn kernel(&self) -> Tensor<2> {
+        self.output.forward(self.hidden_with(|_, hidden| hidden))
+    }
+
+    /// Output channels `C_out`.
+    pub fn out_channels(&self) -> usize {
+        self.output.weight.dims()[1]
+    }
+
+    /// A 1D kernel as `[1, C_out, T]`.
+    ///
+    /// # Errors
+    /// [`Error::WidthMismatch`] if the grid is not 1D.
+    pub fn kernel_1d(&self) -> Result<Tensor<3>> {
+        let [length] = self.grid[..] else {
+            return Err(grid_rank_error(1, self.grid.len()));
+        };
+        Ok(self
+            .kernel()
+            .transpose()
+            .reshape([1, self.out_channels(), length]))
+    }
+
+    /// A 2D kernel as `[1, C_out, H, W]`.
+    ///
+    /// # Errors
+    /// [`Error::WidthMismatch`] if the grid is not 2D.
+    pub fn kernel_2d(&self) -> Result<Tensor<4>> {
+        let [rows, columns] = self.grid[..] else {
+            return Err(grid_rank_error(2, self.grid.len()));
+        };
+        Ok(self
+            .kernel()
+            .transpose()
+            .reshape([1, self.out_channels(), rows, columns]))
+    }
+}
+
+fn grid_rank_error(expected: usize, found: usize) -> Error {
+    Error::WidthMismatch {
+        name: "slow-net grid rank".to_string(),
+        expected,
+        found,
+    }
+}
+
+/// `count` draws from `Gamma(shape, rate 1)` (Marsaglia–Tsang), using the device's generator.
+fn gamma_samples(shape: f64, count: usize, device: &Device) -> Vec<f64> {
+    // Gamma(a) = Gamma(a + 1) · U^(1/a) for a < 1.
+    let (boosted, base) = if shape < 1.0 {
+        (true, shape + 1.0)
+    } else {
+        (false, shape)
+    };
+    let d = base - 1.0 / 3.0;
+    let c = 1.0 / (9.0 * d).sqrt();
+    const TRIES: usize = 16;
+    let draws = |distribution| -> Vec<f64> {
+        Tensor::<1>::random([count * TRIES], distribution, device)
+            .into_data()
+            .iter::<f64>()
+            .collect()
+    };
+    let (normals, uniforms, boosts) = (
+        draws(Distribution::Normal(0.0, 1.0)),
+        draws(Distribution::Uniform(0.0, 1.0)),
+        draws(Distribution::Uniform(0.0, 1.0)),
+    );
+    (0..count)
+        .map(|sample| {
+            let accepted = (0..TRIES).find_map(|attempt| {
+                let k = sample * TRIES + attempt;
+                let (x, u) = (normals[k], uniforms[k]);
+                let v = (1.0 + c * x).powi(3);
+                (v > 0.0 && u.max(f64::MIN_POSITIVE).ln() < 0.5 * x * x + d - d * v + d * v.ln())
+                    .then_some(d * v)
+            });
+            // Acceptance is above 95% per try: falling through all tries is practically impossible.
+            let value = accepted.unwrap_or(base);
+            if boosted {
+                value * boosts[sample].max(f64::MIN_POSITIVE).powf(1.0 / shape)
+            } else {
+                value
+            }
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn coordinates_are_an_ij_grid_over_minus_one_one() {
+        let device = Device::flex();
+        let net = SlowNetConfig::new(vec![2, 3], 1)
+            .with_hidden(4)
+            .init(&device)
+            .unwrap();
+        let values: Vec<f64> = net.coordinates(&device).into_data().iter().collect();
+        assert_eq!(
+            values,
+            vec![
+                -1.0, -1.0, -1.0, 0.0, -1.0, 1.0, 1.0, -1.0, 1.0, 0.0, 1.0, 1.0
+            ]
+        );
+    }
+
+    #[test]
+    fn kernels_have_the_grid_shape() {
+        let device = Device::flex();
+        let net1 = SlowNetConfig::new(vec![7], 3)
+            .with_hidden(8)
+            .init(&device)
+            .unwrap();
+        assert_eq!(net1.kernel_1d().unwrap().dims(), [1, 3, 7]);
+        assert!(net1.kernel_2d().is_err());
+        let net2 = SlowNetConfig::new(vec![4, 5], 2)
+            .with_hidden(8)
+            .init(&device)
+            .unwrap();
+        assert_eq!(net2.kernel_2d().unwrap().dims(), [1, 2, 4, 5]);
+        assert!(net2.kernel_1d().is_err());
+    }
+
+    #[test]
+    fn initialisation_follows_the_reference() {
+        let device = Device::flex();
+        let net = SlowNetConfig::new(vec![16], 4)
+            .with_hidden(8)
+            .init(&device)
+            .unwrap();
+        let bias = |layer: &Linear| -> Vec<f64> {
+            layer
+                .bias
+                .as_ref()
+                .unwrap()
+                .val()
+                .into_data()
+                .iter()
+                .collect()
+        };
+        assert!(
+            net.linears
+                .iter()
+                .all(|layer| bias(layer).iter().all(|&b| b == 1.0))
+        );
+        assert!(
+            net.filters
+                .iter()
+                .all(|layer| bias(layer).iter().all(|&b| b == 0.0))
+        );
+        // Chang scaling: |W_o| <= sqrt(3/h) / sqrt(points).
+        let bound = (3.0f64 / 8.0).sqrt() / 4.0;
+        let output: Vec<f64> = net.output.weight.val().into_data().iter().collect();
+        assert!(output.iter().all(|w| w.abs() <= bound + 1e-7));
+        // Frequencies are scaled by 2π ω0 γ: far beyond the unscaled U(±1) bound.
+        let filter: Vec<f64> = net.filters[0].weight.val().into_data().iter().collect();
+        assert!(filter.iter().any(|w| w.abs() > 100.0));
+    }
+
+    #[test]
+    fn gamma_samples_have_the_right_mean() {
+        let device = Device::flex();
+        for shape in [6.0, 2.0, 0.5] {
+            let samples = gamma_samples(shape, 4000, &device);
+            let mean = samples.iter().sum::<f64>() / samples.len() as f64;
+            assert!(samples.iter().all(|&s| s > 0.0));
+            // Standard error of the mean: sqrt(shape / 4000).
+            assert!(
+                (mean - shape).abs() < 5.0 * (shape / 4000.0f64).sqrt(),
+                "shape {shape}: mean {mean}"
+            );
+        }
+    }
+
+    #[test]
+    fn invalid_configs_are_errors() {
+        let device = Device::flex();
+        assert!(SlowNetConfig::new(vec![], 1).init(&device).is_err());
+        assert!(SlowNetConfig::new(vec![2, 2, 2], 1).init(&device).is_err());
+        assert!(SlowNetConfig::new(vec![0], 1).init(&device).is_err());
+        assert!(SlowNetConfig::new(vec![4], 0).init(&device).is_err());
+        assert!(
+            SlowNetConfig::new(vec![4], 1)
+                .with_omega_0(0.0)
+                .init(&device)
+                .is_err()
+        );
+        assert!(
+            SlowNetConfig::new(vec![4], 1)
+                .with_hidden(0)
+                .init(&device)
+                .is_err()
+        );
+    }
+}

@@ -38,6 +38,80 @@ impl Crop {
     }
 }
 
+/// The spatial layout behind a `[B, C, P]` tensor: a sequence of `P` steps or an `H x W` map
+/// flattened row-major.
+#[derive(Config, Debug, Copy, PartialEq, Eq)]
+pub enum Geometry {
+    /// A sequence of `length` positions.
+    Sequence {
+        /// Number of positions `T`.
+        length: usize,
+    },
+    /// A `rows x columns` map.
+    Map {
+        /// Height `H`.
+        rows: usize,
+        /// Width `W`.
+        columns: usize,
+    },
+}
+
+impl Geometry {
+    /// Points per axis: `[T]` or `[H, W]`.
+    pub fn grid(&self) -> Vec<usize> {
+        match *self {
+            Self::Sequence { length } => vec![length],
+            Self::Map { rows, columns } => vec![rows, columns],
+        }
+    }
+
+    /// Number of positions `P`.
+    pub fn positions(&self) -> usize {
+        self.grid().iter().product()
+    }
+
+    /// Causal for sequences, same for maps (SPEC 3.2).
+    pub fn default_crop(&self) -> Crop {
+        match self {
+            Self::Sequence { .. } => Crop::Causal,
+            Self::Map { .. } => Crop::Same,
+        }
+    }
+
+    /// Rejects empty axes.
+    pub(crate) fn check(&self) -> Result<()> {
+        if self.grid().contains(&0) {
+            return Err(Error::OutOfRange {
+                name: "geometry size",
+                value: 0.0,
+                requirement: ">= 1 on every axis",
+            });
+        }
+        Ok(())
+    }
+}
+
+/// `conv(values, context_kernel)` over the positions of `[B, C, P]` tensors laid out as
+/// `geometry`, by FFT.
+pub(crate) fn conv_over(
+    values: Tensor<3>,
+    context_kernel: Tensor<3>,
+    geometry: Geometry,
+    crop: Crop,
+) -> Tensor<3> {
+    let path = FftPath::for_device(&values.device());
+    match geometry {
+        Geometry::Sequence { .. } => fft_conv_1d(values, context_kernel, crop, path),
+        Geometry::Map { rows, columns } => {
+            let [batch, channels, positions] = values.dims();
+            let map = |x: Tensor<3>| x.reshape([batch, channels, rows, columns]);
+            let kernel_batch = context_kernel.dims()[0];
+            let kernel = context_kernel.reshape([kernel_batch, channels, rows, columns]);
+            fft_conv_2d(map(values), kernel, crop, path).reshape([batch, channels, positions])
+        }
+    }
+}
+
 /// Checks that `kernel` (`[1 or B, C, …]`) fits `z` (`[B, C, …]`) and that nothing is empty.
 fn check_kernel<const D: usize>(z: &Tensor<D>, kernel: &Tensor<D>) -> Result<()> {
     let (z_dims, k_dims) = (z.dims(), kernel.dims());

@@ -20,7 +20,7 @@ use burn::module::Param;
 use burn::nn::Linear;
 use burn::prelude::*;
 use burn::tensor::Distribution;
-use burn::tensor::module::{adaptive_avg_pool1d, conv1d};
+use burn::tensor::module::{adaptive_avg_pool1d, adaptive_avg_pool2d, conv1d, conv2d};
 use burn::tensor::ops::ConvOptions;
 
 use crate::activation::gelu;
@@ -32,8 +32,11 @@ use crate::hyperzzw::slow_net::{SlowNet, SlowNetConfig, linear};
 pub struct LocalHyperZzwConfig {
     /// Channels `C` of the source and target.
     pub channels: usize,
-    /// Kernel size `k` (odd; the reference uses 3, 5, 7, 9).
+    /// Kernel size `k` per axis (odd; the reference uses 3, 5, 7, 9).
     pub kernel_size: usize,
+    /// 1 for sequences (`k`-tap kernels), 2 for maps (`k x k` kernels).
+    #[config(default = 1)]
+    pub dims: usize,
     /// Hidden width `h` of the kernel generator (reference 32).
     #[config(default = 32)]
     pub hidden: usize,
@@ -60,7 +63,14 @@ impl LocalHyperZzwConfig {
                 requirement: "odd (a 'same' convolution)",
             });
         }
-        let slow_net = SlowNetConfig::new(vec![self.kernel_size], self.channels)
+        if self.dims == 0 || self.dims > 2 {
+            return Err(Error::OutOfRange {
+                name: "local HyperZZW dims",
+                value: self.dims as f64,
+                requirement: "1 or 2",
+            });
+        }
+        let slow_net = SlowNetConfig::new(vec![self.kernel_size; self.dims], self.channels)
             .with_hidden(self.hidden)
             .with_layers(self.layers)
             .with_omega_0(self.omega_0)
@@ -154,28 +164,28 @@ impl LocalHyperZzw {
         self.slow_net.out_channels()
     }
 
-    /// The context `u: [k, h]` of `source: [B, C, T]`.
-    fn context(&self, source: Tensor<3>) -> Tensor<2> {
-        let k = self.kernel_size();
-        let pooled = adaptive_avg_pool1d(source, k).swap_dims(1, 2);
-        let reduced = self.reduce.forward(pooled).mean_dim(0);
+    /// The kernel from pooled context `[B, C, points]`, as `[C, points]`.
+    fn kernel_from_pooled(&self, pooled: Tensor<3>) -> Tensor<2> {
+        let points = pooled.dims()[2];
+        let reduced = self.reduce.forward(pooled.swap_dims(1, 2)).mean_dim(0);
         let hidden = reduced.dims()[2];
-        gelu(self.context.forward(reduced.reshape([k, hidden])))
+        let context = gelu(self.context.forward(reduced.reshape([points, hidden])));
+        let features = self.slow_net.hidden_with(|layer, z| {
+            self.renorm.forward(z) * self.modulators[layer].forward(context.clone())
+        });
+        self.slow_net.output.forward(features).transpose()
     }
 
     /// The context-dependent kernel of `source: [B, C, T]`, as `[1, C, k]`.
     ///
     /// # Errors
-    /// [`Error::WidthMismatch`] if `source` does not have `C` channels, [`Error::OutOfRange`]
-    /// if it is empty.
+    /// [`Error::WidthMismatch`] if `source` does not have `C` channels or the branch is 2D,
+    /// [`Error::OutOfRange`] if it is empty.
     pub fn kernel(&self, source: Tensor<3>) -> Result<Tensor<3>> {
+        self.check_dims(1)?;
         self.check(&source, "local HyperZZW source channels")?;
-        let context = self.context(source);
-        let hidden = self.slow_net.hidden_with(|layer, z| {
-            self.renorm.forward(z) * self.modulators[layer].forward(context.clone())
-        });
-        let kernel = self.slow_net.output.forward(hidden);
-        Ok(kernel.transpose().unsqueeze_dim(0))
+        let pooled = adaptive_avg_pool1d(source, self.kernel_size());
+        Ok(self.kernel_from_pooled(pooled).unsqueeze_dim(0))
     }
 
     /// `depthwise_conv(target, kernel(source))`, both `[B, C, T]`.
@@ -193,6 +203,56 @@ impl LocalHyperZzw {
             None,
             options,
         ))
+    }
+
+    /// The `k x k` kernel of `source: [B, C, H, W]`, as `[1, C, k, k]`.
+    ///
+    /// # Errors
+    /// As [`LocalHyperZzw::kernel`], for a 2D branch.
+    pub fn kernel_2d(&self, source: Tensor<4>) -> Result<Tensor<4>> {
+        self.check_dims(2)?;
+        let [batch, channels, rows, columns] = source.dims();
+        self.check(
+            &source.clone().reshape([batch, channels, rows * columns]),
+            "local HyperZZW source channels",
+        )?;
+        let k = self.kernel_size();
+        let pooled = adaptive_avg_pool2d(source, [k, k]).reshape([batch, channels, k * k]);
+        Ok(self.kernel_from_pooled(pooled).reshape([1, channels, k, k]))
+    }
+
+    /// `depthwise_conv2d(target, kernel_2d(source))`, both `[B, C, H, W]`.
+    ///
+    /// # Errors
+    /// As [`LocalHyperZzw::kernel_2d`], for either tensor.
+    pub fn forward_2d(&self, source: Tensor<4>, target: Tensor<4>) -> Result<Tensor<4>> {
+        let [batch, channels, rows, columns] = target.dims();
+        self.check(
+            &target.clone().reshape([batch, channels, rows * columns]),
+            "local HyperZZW target channels",
+        )?;
+        let kernel = self.kernel_2d(source)?;
+        let k = self.kernel_size();
+        let padding = (k - 1) / 2;
+        let options = ConvOptions::new([1, 1], [padding, padding], [1, 1], self.channels());
+        Ok(conv2d(
+            target,
+            kernel.reshape([self.channels(), 1, k, k]),
+            None,
+            options,
+        ))
+    }
+
+    fn check_dims(&self, expected: usize) -> Result<()> {
+        let found = self.slow_net.grid.len();
+        if found != expected {
+            return Err(Error::WidthMismatch {
+                name: "local HyperZZW dimensionality".into(),
+                expected,
+                found,
+            });
+        }
+        Ok(())
     }
 
     fn check(&self, x: &Tensor<3>, name: &str) -> Result<()> {
@@ -294,11 +354,42 @@ mod tests {
     }
 
     #[test]
+    fn two_dimensional_branches_convolve_maps() {
+        let device = Device::flex();
+        let branch = LocalHyperZzwConfig::new(3, 3)
+            .with_dims(2)
+            .with_hidden(8)
+            .with_omega_0(10.0)
+            .init(&device)
+            .unwrap();
+        let source = Tensor::<4>::random([2, 3, 5, 6], Distribution::Normal(0.0, 1.0), &device);
+        let target = Tensor::<4>::random([2, 3, 5, 6], Distribution::Normal(0.0, 1.0), &device);
+        assert_eq!(
+            branch.kernel_2d(source.clone()).unwrap().dims(),
+            [1, 3, 3, 3]
+        );
+        assert_eq!(
+            branch.forward_2d(source, target).unwrap().dims(),
+            [2, 3, 5, 6]
+        );
+        assert!(
+            branch.kernel(Tensor::zeros([1, 3, 8], &device)).is_err(),
+            "a 2D branch refuses sequences"
+        );
+    }
+
+    #[test]
     fn invalid_configs_and_inputs_are_errors() {
         let device = Device::flex();
         assert!(LocalHyperZzwConfig::new(4, 4).init(&device).is_err());
         assert!(LocalHyperZzwConfig::new(0, 3).init(&device).is_err());
         assert!(LocalHyperZzwConfig::new(4, 0).init(&device).is_err());
+        assert!(
+            LocalHyperZzwConfig::new(4, 3)
+                .with_dims(3)
+                .init(&device)
+                .is_err()
+        );
         let branch = LocalHyperZzwConfig::new(4, 3)
             .with_hidden(4)
             .init(&device)

@@ -7,10 +7,12 @@
 //!   causal / same crops, on every backend ([`FftPath`]); [`global_hyperzzw_dot`] is the square-map
 //!   matrix product of the 2D reference code (SPEC 3.2).
 //! * [`LocalHyperZzw`]: context-conditioned kernels and a depthwise "same" convolution (SPEC 3.3).
+//! * [`SfneBlock`] and [`slow_neural_loss`]: the multi-branch block without residual (SPEC 3.4).
 
 mod fft;
 mod global;
 mod local;
+mod sfne;
 mod slow_net;
 
 pub use fft::FftPath;
@@ -18,4 +20,8 @@ pub use global::{
     Crop, direct_conv_1d, global_hyperzzw_1d, global_hyperzzw_2d, global_hyperzzw_dot,
 };
 pub use local::{LocalHyperZzw, LocalHyperZzwConfig, SRenorm};
+pub use sfne::{
+    HyperChannel, HyperInteraction, LocalBranch, Rgu, SfneBlock, SfneBlockConfig, SfneOutput,
+    batch_standardize, group_ibs, instance_standardize, slow_neural_loss,
+};
 pub use slow_net::{SlowNet, SlowNetConfig};

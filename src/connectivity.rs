@@ -38,6 +38,16 @@ pub trait Connectivity: Module + ModuleDisplay {
     fn truncated(&self, depth: usize) -> Result<Self>
     where
         Self: Sized;
+
+    /// Checks the shape of a stack input (`dims` of the tensor), for connectivities with
+    /// parameters of a fixed width or length. Accepts everything by default.
+    ///
+    /// # Errors
+    /// An [`Error`](crate::Error) describing the mismatch.
+    fn check_input(&self, dims: &[usize]) -> Result<()> {
+        let _ = dims;
+        Ok(())
+    }
 }
 
 /// How a connectivity propagates rank-`D` streams through the blocks.

@@ -101,14 +101,17 @@ impl<M: Module + ModuleDisplay, C: Connectivity> Stack<M, C> {
         )
     }
 
-    /// Checks the input's feature width (last axis) against the widths the blocks declare.
+    /// Checks the input's shape against what the connectivity requires and its feature width
+    /// (last axis) against the widths the blocks declare.
     ///
     /// # Errors
-    /// [`Error::WidthMismatch`] naming the first block that does not accept the input.
+    /// The connectivity's error, or [`Error::WidthMismatch`] naming the first block that does
+    /// not accept the input.
     pub fn check_input<const D: usize>(&self, input: &Tensor<D>) -> Result<()>
     where
         M: Block<D>,
     {
+        self.connectivity.check_input(&input.dims())?;
         let found = input.dims()[D - 1];
         for (index, block) in self.blocks.iter().enumerate() {
             match block.width() {

@@ -7,17 +7,23 @@
 //!   causal / same crops, on every backend ([`FftPath`]); [`global_hyperzzw_dot`] is the square-map
 //!   matrix product of the 2D reference code (SPEC 3.2).
 //! * [`LocalHyperZzw`]: context-conditioned kernels and a depthwise "same" convolution (SPEC 3.3).
-//! * [`SfneBlock`] and [`slow_neural_loss`]: the multi-branch block without residual (SPEC 3.4).
+//! * [`SfneBlock`] and [`slow_neural_loss`]: the multi-branch block without residual, and the
+//!   [`Terminator`] model built from it (SPEC 3.4).
+//! * [`HyperZzwConnectivity`]: HyperZZW fusion in place of identity shortcuts, for any stack of
+//!   token blocks (SPEC 3.5).
 
+mod connectivity;
 mod fft;
 mod global;
 mod local;
 mod sfne;
 mod slow_net;
+mod terminator;
 
+pub use connectivity::{Fusion, HyperZzwConnectivity, HyperZzwConnectivityConfig, HyperZzwState};
 pub use fft::FftPath;
 pub use global::{
-    Crop, direct_conv_1d, global_hyperzzw_1d, global_hyperzzw_2d, global_hyperzzw_dot,
+    Crop, Geometry, direct_conv_1d, global_hyperzzw_1d, global_hyperzzw_2d, global_hyperzzw_dot,
 };
 pub use local::{LocalHyperZzw, LocalHyperZzwConfig, SRenorm};
 pub use sfne::{
@@ -25,3 +31,4 @@ pub use sfne::{
     batch_standardize, group_ibs, instance_standardize, slow_neural_loss,
 };
 pub use slow_net::{SlowNet, SlowNetConfig};
+pub use terminator::{Terminator, TerminatorConfig, TerminatorOutput};

@@ -71,6 +71,13 @@ impl ConnectivityConfig for HyperZzwConnectivityConfig {
         check_size("HyperZZW width", self.d_model)?;
         check_size("HyperZZW max length", self.max_len)?;
         check_positive("HyperZZW omega_0", self.omega_0)?;
+        if let Some(&kernel_size) = self.local_kernel_sizes.iter().find(|&&k| k > self.max_len) {
+            return Err(Error::OutOfRange {
+                name: "HyperZZW local kernel size",
+                value: kernel_size as f64,
+                requirement: "at most max_len",
+            });
+        }
         let d = self.d_model;
         let fusions = (0..num_blocks)
             .map(|_| {

@@ -183,7 +183,7 @@ impl LocalHyperZzw {
     /// [`Error::OutOfRange`] if it is empty.
     pub fn kernel(&self, source: Tensor<3>) -> Result<Tensor<3>> {
         self.check_dims(1)?;
-        self.check(&source, "local HyperZZW source channels")?;
+        self.check(&source.dims(), "local HyperZZW source channels")?;
         let pooled = adaptive_avg_pool1d(source, self.kernel_size());
         Ok(self.kernel_from_pooled(pooled).unsqueeze_dim(0))
     }
@@ -193,7 +193,7 @@ impl LocalHyperZzw {
     /// # Errors
     /// As [`LocalHyperZzw::kernel`], for either tensor.
     pub fn forward(&self, source: Tensor<3>, target: Tensor<3>) -> Result<Tensor<3>> {
-        self.check(&target, "local HyperZZW target channels")?;
+        self.check(&target.dims(), "local HyperZZW target channels")?;
         let kernel = self.kernel(source)?;
         let (channels, k) = (self.channels(), self.kernel_size());
         let options = ConvOptions::new([1], [(k - 1) / 2], [1], channels);
@@ -211,11 +211,8 @@ impl LocalHyperZzw {
     /// As [`LocalHyperZzw::kernel`], for a 2D branch.
     pub fn kernel_2d(&self, source: Tensor<4>) -> Result<Tensor<4>> {
         self.check_dims(2)?;
-        let [batch, channels, rows, columns] = source.dims();
-        self.check(
-            &source.clone().reshape([batch, channels, rows * columns]),
-            "local HyperZZW source channels",
-        )?;
+        let [batch, channels, _, _] = source.dims();
+        self.check(&source.dims(), "local HyperZZW source channels")?;
         let k = self.kernel_size();
         let pooled = adaptive_avg_pool2d(source, [k, k]).reshape([batch, channels, k * k]);
         Ok(self.kernel_from_pooled(pooled).reshape([1, channels, k, k]))
@@ -226,11 +223,7 @@ impl LocalHyperZzw {
     /// # Errors
     /// As [`LocalHyperZzw::kernel_2d`], for either tensor.
     pub fn forward_2d(&self, source: Tensor<4>, target: Tensor<4>) -> Result<Tensor<4>> {
-        let [batch, channels, rows, columns] = target.dims();
-        self.check(
-            &target.clone().reshape([batch, channels, rows * columns]),
-            "local HyperZZW target channels",
-        )?;
+        self.check(&target.dims(), "local HyperZZW target channels")?;
         let kernel = self.kernel_2d(source)?;
         let k = self.kernel_size();
         let padding = (k - 1) / 2;
@@ -255,8 +248,8 @@ impl LocalHyperZzw {
         Ok(())
     }
 
-    fn check(&self, x: &Tensor<3>, name: &str) -> Result<()> {
-        let dims = x.dims();
+    /// Checks an input of shape `dims` (`[B, C, T]` or `[B, C, H, W]`).
+    fn check(&self, dims: &[usize], name: &str) -> Result<()> {
         if dims.contains(&0) {
             return Err(Error::OutOfRange {
                 name: "local HyperZZW input size",
@@ -269,6 +262,14 @@ impl LocalHyperZzw {
                 name: name.to_string(),
                 expected: self.channels(),
                 found: dims[1],
+            });
+        }
+        let smallest_side = dims[2..].iter().copied().min().unwrap_or(0);
+        if smallest_side < self.kernel_size() {
+            return Err(Error::OutOfRange {
+                name: "local HyperZZW input side",
+                value: smallest_side as f64,
+                requirement: "at least the kernel size",
             });
         }
         Ok(())
@@ -404,5 +405,20 @@ mod tests {
             branch.forward(right, wrong),
             Err(Error::WidthMismatch { .. })
         ));
+        let short = Tensor::<3>::zeros([1, 4, 2], &device);
+        assert!(
+            matches!(
+                branch.forward(short.clone(), short),
+                Err(Error::OutOfRange { .. })
+            ),
+            "T < k"
+        );
+        let map = LocalHyperZzwConfig::new(4, 3)
+            .with_dims(2)
+            .with_hidden(4)
+            .init(&device)
+            .unwrap();
+        let thin = Tensor::<4>::zeros([1, 4, 2, 8], &device);
+        assert!(map.forward_2d(thin.clone(), thin).is_err(), "H < k");
     }
 }

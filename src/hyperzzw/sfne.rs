@@ -321,6 +321,14 @@ impl SfneBlockConfig {
             });
         }
         let grid = self.geometry.grid();
+        let smallest_side = grid.iter().copied().min().unwrap_or(0);
+        if let Some(&kernel_size) = self.local_kernel_sizes.iter().find(|&&k| k > smallest_side) {
+            return Err(Error::OutOfRange {
+                name: "SFNE local kernel size",
+                value: kernel_size as f64,
+                requirement: "at most the smallest side of the geometry",
+            });
+        }
         let slow_net = |grid: Vec<usize>, out: usize, hidden: usize| {
             SlowNetConfig::new(grid, out)
                 .with_hidden(hidden)
@@ -617,16 +625,16 @@ mod tests {
     fn blocks_expand_channels_on_sequences_and_maps() {
         let device = Device::flex();
         for geometry in [
-            Geometry::Sequence { length: 12 },
+            Geometry::Sequence { length: 30 },
             Geometry::Map {
-                rows: 3,
-                columns: 4,
+                rows: 5,
+                columns: 6,
             },
         ] {
             let block = small_config(geometry).init(&device).unwrap();
-            let out = block.forward(random([2, 4, 12], &device)).unwrap();
-            assert_eq!(out.output.dims(), [2, 8, 12]);
-            assert_eq!(out.global_kernel.dims(), [4, 12]);
+            let out = block.forward(random([2, 4, 30], &device)).unwrap();
+            assert_eq!(out.output.dims(), [2, 8, 30]);
+            assert_eq!(out.global_kernel.dims(), [4, 30]);
             // 2 + mixer + hci + glu + hyper + 2 locals = 8 branches of C = 4.
             assert_eq!(block.bottleneck.weight.dims(), [32, 8]);
         }

@@ -146,7 +146,7 @@ impl Fusion {
             branches.push(
                 local
                     .forward(context.clone(), output.clone())
-                    .expect("widths checked at construction"),
+                    .expect("width checked at construction, length by check_input"),
             );
         }
         self.bottleneck
@@ -227,11 +227,17 @@ impl Connectivity for HyperZzwConnectivity {
                 found: width,
             });
         }
-        if length == 0 || length > self.max_len() {
+        let shortest = self.fusions[0]
+            .locals
+            .iter()
+            .map(LocalHyperZzw::kernel_size)
+            .max()
+            .unwrap_or(1);
+        if length < shortest || length > self.max_len() {
             return Err(Error::OutOfRange {
                 name: "HyperZZW sequence length",
                 value: length as f64,
-                requirement: "in 1..=max_len",
+                requirement: "between the largest local kernel size and max_len",
             });
         }
         Ok(())
@@ -254,7 +260,7 @@ impl StreamConnectivity<3> for HyperZzwConnectivity {
     }
 
     /// # Panics
-    /// If the sequence is longer than `max_len` (check with
+    /// If the sequence is longer than `max_len` or shorter than a local kernel (check with
     /// [`Stack::check_input`](crate::Stack::check_input)).
     fn step(&self, state: HyperZzwState, block: usize, branch: Tensor<3>) -> HyperZzwState {
         let stream = self.fusions[block].forward(branch, state.stream, self.crop, state.path);

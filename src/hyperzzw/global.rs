@@ -91,25 +91,80 @@ impl Geometry {
     }
 }
 
-/// `conv(values, context_kernel)` over the positions of `[B, C, P]` tensors laid out as
-/// `geometry`, by FFT.
-pub(crate) fn conv_over(
-    values: Tensor<3>,
-    context_kernel: Tensor<3>,
+/// `conv(·, kernel)` over the positions of `[B, C, P]` tensors laid out as `geometry`, by FFT,
+/// with the kernel's spectrum computed once for every tensor it convolves (the SFNE block
+/// applies one context kernel to three branches).
+pub(crate) struct SpectralConv {
     geometry: Geometry,
     crop: Crop,
-) -> Tensor<3> {
-    let path = FftPath::for_device(&values.device());
-    match geometry {
-        Geometry::Sequence { .. } => fft_conv_1d(values, context_kernel, crop, path),
-        Geometry::Map { rows, columns } => {
-            let [batch, channels, positions] = values.dims();
-            let map = |x: Tensor<3>| x.reshape([batch, channels, rows, columns]);
-            let kernel_batch = context_kernel.dims()[0];
-            let kernel = context_kernel.reshape([kernel_batch, channels, rows, columns]);
-            fft_conv_2d(map(values), kernel, crop, path).reshape([batch, channels, positions])
+    path: FftPath,
+    /// The kernel's spectrum, `[1 or B, C, bins]` (a map's `n_rows x bins` flattened).
+    spectrum: (Tensor<3>, Tensor<3>),
+}
+
+impl SpectralConv {
+    /// Transforms `kernel: [1 or B, C, P]`.
+    pub(crate) fn new(kernel: Tensor<3>, geometry: Geometry, crop: Crop, path: FftPath) -> Self {
+        let spectrum = match geometry {
+            Geometry::Sequence { length } => path.rfft(kernel, 2, fft_length(length)),
+            Geometry::Map { rows, columns } => {
+                let [batch, channels, _] = kernel.dims();
+                let (re, im) = spectrum_2d(kernel.reshape([batch, channels, rows, columns]), path);
+                let flatten = |x: Tensor<4>| x.flatten::<3>(2, 3);
+                (flatten(re), flatten(im))
+            }
+        };
+        Self {
+            geometry,
+            crop,
+            path,
+            spectrum,
         }
     }
+
+    /// `conv(values, kernel)` cropped to the positions, `values: [B, C, P]`.
+    pub(crate) fn apply(&self, values: Tensor<3>) -> Tensor<3> {
+        let (path, crop) = (self.path, self.crop);
+        let (kernel_re, kernel_im) = self.spectrum.clone();
+        match self.geometry {
+            Geometry::Sequence { length } => {
+                let n = fft_length(length);
+                let (re, im) = complex_mul(path.rfft(values, 2, n), (kernel_re, kernel_im));
+                path.irfft(re, im, 2, n)
+                    .narrow(2, crop.start(length), length)
+            }
+            Geometry::Map { rows, columns } => {
+                let [batch, channels, positions] = values.dims();
+                let [kernel_batch, _, _] = kernel_re.dims();
+                let (n_rows, n_columns) = (fft_length(rows), fft_length(columns));
+                let unflatten =
+                    |x: Tensor<3>| x.reshape([kernel_batch, channels, n_rows, n_columns / 2 + 1]);
+                let kernel = (unflatten(kernel_re), unflatten(kernel_im));
+                let (re, im) = complex_mul(
+                    spectrum_2d(values.reshape([batch, channels, rows, columns]), path),
+                    kernel,
+                );
+                let (re, im) = path.cfft(re, im, 2, n_rows, true);
+                path.irfft(re, im, 3, n_columns)
+                    .narrow(2, crop.start(rows), rows)
+                    .narrow(3, crop.start(columns), columns)
+                    .reshape([batch, channels, positions])
+            }
+        }
+    }
+}
+
+/// The FFT length of a linear convolution of two length-`length` signals.
+fn fft_length(length: usize) -> usize {
+    (2 * length - 1).next_power_of_two()
+}
+
+/// Spectrum of `x: [B, C, H, W]` zero-padded for a linear convolution: real FFT along `W`,
+/// complex FFT along `H`.
+fn spectrum_2d(x: Tensor<4>, path: FftPath) -> (Tensor<4>, Tensor<4>) {
+    let [_, _, rows, columns] = x.dims();
+    let (re, im) = path.rfft(x, 3, fft_length(columns));
+    path.cfft(re, im, 2, fft_length(rows), false)
 }
 
 /// Checks that `kernel` (`[1 or B, C, …]`) fits `z` (`[B, C, …]`) and that nothing is empty.
@@ -205,13 +260,10 @@ pub(crate) fn fft_conv_1d(
     crop: Crop,
     path: FftPath,
 ) -> Tensor<3> {
-    let length = signal.dims()[2];
-    let n = (2 * length - 1).next_power_of_two();
-    let (signal_re, signal_im) = path.rfft(signal, 2, n);
-    let (kernel_re, kernel_im) = path.rfft(kernel, 2, n);
-    let (re, im) = complex_mul((signal_re, signal_im), (kernel_re, kernel_im));
-    path.irfft(re, im, 2, n)
-        .narrow(2, crop.start(length), length)
+    let geometry = Geometry::Sequence {
+        length: signal.dims()[2],
+    };
+    SpectralConv::new(kernel, geometry, crop, path).apply(signal)
 }
 
 /// Linear convolution over the last two axes by FFT, cropped to the map size.
@@ -221,20 +273,12 @@ pub(crate) fn fft_conv_2d(
     crop: Crop,
     path: FftPath,
 ) -> Tensor<4> {
-    let [_, _, rows, columns] = signal.dims();
-    let (n_rows, n_columns) = (
-        (2 * rows - 1).next_power_of_two(),
-        (2 * columns - 1).next_power_of_two(),
-    );
-    let spectrum = |x: Tensor<4>| {
-        let (re, im) = path.rfft(x, 3, n_columns);
-        path.cfft(re, im, 2, n_rows, false)
-    };
-    let (re, im) = complex_mul(spectrum(signal), spectrum(kernel));
-    let (re, im) = path.cfft(re, im, 2, n_rows, true);
-    path.irfft(re, im, 3, n_columns)
-        .narrow(2, crop.start(rows), rows)
-        .narrow(3, crop.start(columns), columns)
+    let [batch, channels, rows, columns] = signal.dims();
+    let geometry = Geometry::Map { rows, columns };
+    let flat = |x: Tensor<4>| x.flatten::<3>(2, 3);
+    SpectralConv::new(flat(kernel), geometry, crop, path)
+        .apply(flat(signal))
+        .reshape([batch, channels, rows, columns])
 }
 
 fn complex_mul<const D: usize>(

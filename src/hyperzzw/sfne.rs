@@ -40,7 +40,8 @@ use burn::tensor::activation::sigmoid;
 
 use crate::activation::gelu;
 use crate::error::{Error, Result, check_positive, check_probability, check_size};
-use crate::hyperzzw::global::{Crop, Geometry, conv_over};
+use crate::hyperzzw::fft::FftPath;
+use crate::hyperzzw::global::{Crop, Geometry, SpectralConv};
 use crate::hyperzzw::local::{LocalHyperZzw, LocalHyperZzwConfig};
 use crate::hyperzzw::slow_net::{SlowNet, SlowNetConfig, linear};
 
@@ -472,8 +473,9 @@ impl SfneBlock {
         }
         let global_kernel = self.global.kernel().transpose();
         let context_kernel = x.clone() * global_kernel.clone().unsqueeze_dim(0);
-        let global =
-            |values: Tensor<3>| conv_over(values, context_kernel.clone(), self.geometry, self.crop);
+        let path = FftPath::for_device(&x.device());
+        let spectral = SpectralConv::new(context_kernel.clone(), self.geometry, self.crop, path);
+        let global = |values: Tensor<3>| spectral.apply(values);
 
         let fast = instance_standardize(
             self.rgu_context.forward(context_kernel.clone()) + self.rgu_input.forward(x.clone()),

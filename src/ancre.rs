@@ -25,7 +25,7 @@ use burn::module::Param;
 use burn::prelude::*;
 use burn::tensor::activation::softmax;
 
-use crate::connectivity::{Connectivity, ConnectivityConfig, StreamConnectivity};
+use crate::connectivity::{Connectivity, ConnectivityConfig, StreamConnectivity, leading_part};
 use crate::error::{Error, Result, check_depth, check_finite, check_positive};
 use crate::matrix::ConnectivityMatrix;
 
@@ -291,14 +291,7 @@ impl Connectivity for Ancre {
         check_depth(depth, 1, self.num_blocks)?;
         let logits = match self.normalization {
             // Column j only depends on the logits of target j: keep the first depth targets.
-            Normalization::Ingoing => self.logits.clone().map(|logits| {
-                let trainable = logits.is_require_grad();
-                logits
-                    .narrow(0, 0, depth + 1)
-                    .narrow(1, 0, depth + 1)
-                    .detach()
-                    .set_require_grad(trainable)
-            }),
+            Normalization::Ingoing => leading_part(&self.logits, depth + 1),
             // Row i is normalised over every target: keep them all so p does not change.
             Normalization::Outgoing => self.logits.clone(),
         };

@@ -14,7 +14,7 @@
 //! `output` after `k` steps is the layer-wise readout `y_k`: the output of the model truncated
 //! to its first `k` blocks.
 
-use burn::module::ModuleDisplay;
+use burn::module::{ModuleDisplay, Param};
 use burn::prelude::*;
 
 use crate::error::Result;
@@ -81,6 +81,19 @@ pub trait ConnectivityConfig {
     /// # Errors
     /// Invalid settings, or settings that do not fit `num_blocks`.
     fn init(&self, num_blocks: usize, device: &Device) -> Result<Self::Connectivity>;
+}
+
+/// The first `length` entries along every axis of `param`, as a fresh leaf that keeps the
+/// parameter's trainability: the parameters of a truncated connectivity.
+pub(crate) fn leading_part<const D: usize>(
+    param: &Param<Tensor<D>>,
+    length: usize,
+) -> Param<Tensor<D>> {
+    param.clone().map(|tensor| {
+        let trainable = tensor.is_require_grad();
+        let part = (0..D).fold(tensor, |part, axis| part.narrow(axis, 0, length));
+        part.detach().set_require_grad(trainable)
+    })
 }
 
 /// Computes `C` and the output column by running the connectivity's own recursion on basis

@@ -18,7 +18,7 @@ use burn::module::Param;
 use burn::prelude::*;
 use burn::tensor::Distribution;
 
-use crate::connectivity::{Connectivity, ConnectivityConfig, StreamConnectivity};
+use crate::connectivity::{Connectivity, ConnectivityConfig, StreamConnectivity, leading_part};
 use crate::error::{Error, Result, check_depth, check_finite, check_non_negative, check_positive};
 use crate::matrix::ConnectivityMatrix;
 
@@ -243,14 +243,9 @@ impl Connectivity for Hacn {
 
     fn truncated(&self, depth: usize) -> Result<Self> {
         check_depth(depth, 1, self.num_blocks())?;
-        let gates = self.gates.clone().map(|gates| {
-            let trainable = gates.is_require_grad();
-            gates
-                .narrow(0, 0, depth)
-                .detach()
-                .set_require_grad(trainable)
-        });
-        Ok(Self { gates })
+        Ok(Self {
+            gates: leading_part(&self.gates, depth),
+        })
     }
 }
 

@@ -101,7 +101,13 @@ impl StreamConnectivity<2> for FixedShortcuts {
         states[states.len() - 1].clone()
     }
 
-    fn step(&self, mut states: Vec<Tensor<2>>, block: usize, branch: Tensor<2>) -> Vec<Tensor<2>> {
+    fn step_with_tail(
+        &self,
+        mut states: Vec<Tensor<2>>,
+        block: usize,
+        branch: Tensor<2>,
+        tail: impl FnOnce(Tensor<2>) -> Tensor<2>,
+    ) -> Vec<Tensor<2>> {
         let target = block + 1;
         let next = states
             .iter()
@@ -112,7 +118,7 @@ impl StreamConnectivity<2> for FixedShortcuts {
                     coefficient => sum + state.clone().mul_scalar(coefficient),
                 }
             });
-        states.push(next);
+        states.push(tail(next));
         states
     }
 

@@ -25,7 +25,9 @@ use burn::module::Param;
 use burn::prelude::*;
 use burn::tensor::activation::softmax;
 
-use crate::connectivity::{Connectivity, ConnectivityConfig, StreamConnectivity, leading_part};
+use crate::connectivity::{
+    Connectivity, ConnectivityConfig, StreamConnectivity, broadcast_entry, leading_part,
+};
 use crate::error::{Error, Result, check_depth, check_finite, check_positive};
 use crate::matrix::ConnectivityMatrix;
 
@@ -159,8 +161,10 @@ pub struct AncreState<const D: usize> {
     pub stream: Tensor<D>,
     /// `Σ_{i<=j} p_it s_i` for the targets `t = j+1..=K`, in order.
     pending: Vec<Tensor<D>>,
-    /// The coefficients `p`, computed once per forward pass.
-    coefficients: Tensor<2>,
+    /// The coefficients `p`, computed once per forward pass, flattened row-major.
+    coefficients: Tensor<1>,
+    /// Side of the coefficient matrix.
+    size: usize,
 }
 
 impl Ancre {
@@ -308,43 +312,43 @@ impl<const D: usize> StreamConnectivity<D> for Ancre {
 
     fn start(&self, input: Tensor<D>) -> AncreState<D> {
         let coefficients = self.coefficients();
-        let pending = (1..=self.num_blocks)
-            .map(|target| scaled(&coefficients, 0, target, input.clone()))
-            .collect();
-        AncreState {
+        let size = coefficients.dims()[0];
+        let mut state = AncreState {
             stream: input,
-            pending,
-            coefficients,
-        }
+            pending: Vec::new(),
+            coefficients: coefficients.reshape([size * size]),
+            size,
+        };
+        state.pending = (1..=self.num_blocks)
+            .map(|target| state.scaled(0, target, state.stream.clone()))
+            .collect();
+        state
     }
 
     fn block_input(&self, state: &AncreState<D>) -> Tensor<D> {
         state.stream.clone()
     }
 
-    fn step(&self, state: AncreState<D>, block: usize, branch: Tensor<D>) -> AncreState<D> {
+    fn step_with_tail(
+        &self,
+        mut state: AncreState<D>,
+        block: usize,
+        branch: Tensor<D>,
+        tail: impl FnOnce(Tensor<D>) -> Tensor<D>,
+    ) -> AncreState<D> {
         let source = block + 1;
-        let mut pending = state.pending.into_iter();
+        let mut pending = std::mem::take(&mut state.pending).into_iter();
         let mixture = pending
             .next()
             .expect("one pending mixture per remaining block");
-        let stream = branch + mixture;
-        let pending = pending
+        state.stream = tail(branch + mixture);
+        state.pending = pending
             .enumerate()
             .map(|(offset, sum)| {
-                sum + scaled(
-                    &state.coefficients,
-                    source,
-                    source + 1 + offset,
-                    stream.clone(),
-                )
+                sum + state.scaled(source, source + 1 + offset, state.stream.clone())
             })
             .collect();
-        AncreState {
-            stream,
-            pending,
-            coefficients: state.coefficients,
-        }
+        state
     }
 
     fn output(&self, state: &AncreState<D>) -> Tensor<D> {
@@ -352,18 +356,11 @@ impl<const D: usize> StreamConnectivity<D> for Ancre {
     }
 }
 
-/// `p[source][target] · value`.
-fn scaled<const D: usize>(
-    coefficients: &Tensor<2>,
-    source: usize,
-    target: usize,
-    value: Tensor<D>,
-) -> Tensor<D> {
-    let coefficient = coefficients
-        .clone()
-        .narrow(0, source, 1)
-        .narrow(1, target, 1);
-    value * coefficient.reshape([1usize; D])
+impl<const D: usize> AncreState<D> {
+    /// `p[source][target] · value`.
+    fn scaled(&self, source: usize, target: usize, value: Tensor<D>) -> Tensor<D> {
+        value * broadcast_entry(&self.coefficients, source * self.size + target)
+    }
 }
 
 #[cfg(test)]

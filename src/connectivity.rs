@@ -61,11 +61,33 @@ pub trait StreamConnectivity<const D: usize>: Connectivity {
     /// The input of the next block, `s_j`.
     fn block_input(&self, state: &Self::State) -> Tensor<D>;
 
-    /// Takes in the output `branch = h_{block+1}` of block number `block` (0-based).
+    /// Takes in the output `branch = h_{block+1}` of block number `block` (0-based), for a
+    /// block whose layer goes on after the connectivity has combined the branch with its
+    /// shortcut: the next stream is `s_{block+1} = tail(combined)`, where `combined` is what the
+    /// connectivity alone would make the next stream.
     ///
     /// Blocks are stepped in order, `block = 0, 1, …, num_blocks() - 1`; implementations may
     /// panic otherwise.
-    fn step(&self, state: Self::State, block: usize, branch: Tensor<D>) -> Self::State;
+    ///
+    /// The tail is how a transformer layer keeps part of its own wiring: at ANCRe's block level
+    /// the mixture replaces the attention shortcut and the feed-forward then adds its own
+    /// residual (`tail(a) = a + FFN(LN(a))`); a post-norm layer normalises the sum
+    /// (`tail = LN`). Connectivities whose output is not the stream credit the block with
+    /// `s_j − shortcut`, the part of the new stream the shortcut did not carry, which is
+    /// `branch` when `tail` is the identity.
+    fn step_with_tail(
+        &self,
+        state: Self::State,
+        block: usize,
+        branch: Tensor<D>,
+        tail: impl FnOnce(Tensor<D>) -> Tensor<D>,
+    ) -> Self::State;
+
+    /// [`step_with_tail`](Self::step_with_tail) with the identity tail: the plain recursion
+    /// `s_{block+1} = combine(branch, shortcut)`.
+    fn step(&self, state: Self::State, block: usize, branch: Tensor<D>) -> Self::State {
+        self.step_with_tail(state, block, branch, |stream| stream)
+    }
 
     /// The output of the stack so far: `y_k` after `k` steps, `y` after all of them.
     fn output(&self, state: &Self::State) -> Tensor<D>;
@@ -94,6 +116,15 @@ pub(crate) fn leading_part<const D: usize>(
         let part = (0..D).fold(tensor, |part, axis| part.narrow(axis, 0, length));
         part.detach().set_require_grad(trainable)
     })
+}
+
+/// Entry `index` of `values`, shaped to broadcast over rank-`D` tensors.
+///
+/// A `select` rather than a slice: on CubeCL backends a slice is a kernel of its own, a
+/// `select` joins the fused elementwise kernels (see the `kernel_counts` example).
+pub(crate) fn broadcast_entry<const D: usize>(values: &Tensor<1>, index: usize) -> Tensor<D> {
+    let position = Tensor::<1, Int>::from_data([index as i64], &values.device());
+    values.clone().select(0, position).reshape([1usize; D])
 }
 
 /// Computes `C` and the output column by running the connectivity's own recursion on basis

@@ -63,6 +63,21 @@ pub enum Error {
         found: usize,
     },
 
+    /// A tensor (an input or a mask) whose shape does not fit the model.
+    #[error("{name}: expected shape {expected:?}, found {found:?}")]
+    ShapeMismatch {
+        /// What has the wrong shape.
+        name: String,
+        /// The shape required.
+        expected: Vec<usize>,
+        /// The shape found.
+        found: Vec<usize>,
+    },
+
+    /// A saved record that does not fit the module it is loaded into.
+    #[error("cannot load the record: {0}")]
+    Record(String),
+
     /// A depth (number of blocks to keep or run) outside `min..=blocks`.
     #[error(
         "depth {depth} is out of range for a stack of {blocks} blocks (valid: {min}..={blocks})"

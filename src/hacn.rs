@@ -18,7 +18,9 @@ use burn::module::Param;
 use burn::prelude::*;
 use burn::tensor::Distribution;
 
-use crate::connectivity::{Connectivity, ConnectivityConfig, StreamConnectivity, leading_part};
+use crate::connectivity::{
+    Connectivity, ConnectivityConfig, StreamConnectivity, broadcast_entry, leading_part,
+};
 use crate::error::{Error, Result, check_depth, check_finite, check_non_negative, check_positive};
 use crate::matrix::ConnectivityMatrix;
 
@@ -213,6 +215,11 @@ impl Hacn {
         let squares: f64 = gates.iter().map(|a| a * a).sum();
         (squares / gates.len() as f64).sqrt()
     }
+
+    /// Gate `a_{block+1}` shaped to broadcast over rank-`D` streams.
+    fn gate<const D: usize>(&self, block: usize) -> Tensor<D> {
+        broadcast_entry(&self.gates.val(), block)
+    }
 }
 
 impl Connectivity for Hacn {
@@ -263,11 +270,26 @@ impl<const D: usize> StreamConnectivity<D> for Hacn {
         state.stream.clone()
     }
 
+    /// Exactly `sum += h`, `s = h + a s` (the tailed version would compute `sum += (h + a s) - a s`).
     fn step(&self, state: HacnState<D>, block: usize, branch: Tensor<D>) -> HacnState<D> {
-        let gate = self.gates.val().narrow(0, block, 1).reshape([1usize; D]);
         HacnState {
             sum: state.sum + branch.clone(),
-            stream: branch + state.stream * gate,
+            stream: branch + state.stream * self.gate::<D>(block),
+        }
+    }
+
+    fn step_with_tail(
+        &self,
+        state: HacnState<D>,
+        block: usize,
+        branch: Tensor<D>,
+        tail: impl FnOnce(Tensor<D>) -> Tensor<D>,
+    ) -> HacnState<D> {
+        let carried = state.stream * self.gate::<D>(block);
+        let stream = tail(branch + carried.clone());
+        HacnState {
+            sum: state.sum + (stream.clone() - carried),
+            stream,
         }
     }
 

@@ -17,6 +17,8 @@ pub mod plot;
 mod stack;
 #[cfg(test)]
 mod test_util;
+pub mod training;
+pub mod transformer;
 
 pub use activation::gelu;
 pub use ancre::{Ancre, AncreConfig, AncreInit, AncreState, Normalization};

@@ -1,11 +1,14 @@
-//! The same models and weights on Flex and NdArray, and record save→load, for every
-//! connectivity.
+//! The same models and weights on Flex, NdArray and wgpu (Mesa's lavapipe in CI), and record
+//! save→load, for every connectivity, on stacks of MLP blocks and on wrapped burn-nn encoders.
 
 use burn::module::{Module, ModuleVisitor, Param};
+use burn::nn::activation::ActivationConfig;
+use burn::nn::transformer::TransformerEncoderConfig;
 use burn::prelude::*;
 use burn::store::ModuleRecord;
 use burn::tensor::{Distribution, Gradients, Tolerance};
 use burn_connectivity::hyperzzw::HyperZzwConnectivityConfig;
+use burn_connectivity::transformer::{ConnectedEncoder, EncoderMasks, Granularity};
 use burn_connectivity::{
     AncreConfig, ConnectivityConfig, HacnConfig, MlpBlock, MlpBlockConfig, Normalization, Stack,
     StreamConnectivity,
@@ -62,46 +65,107 @@ fn parameter_gradients(model: &impl Module, grads: &Gradients) -> Vec<TensorData
     visitor.found
 }
 
-/// Values agree to 1e-5; gradients (of a random linear probe of the output: sums over the
-/// batch, through every block) to 1e-4, absolute or relative to their size.
+/// The backends compared with Flex: NdArray, and wgpu (Mesa's lavapipe where there is no GPU)
+/// unless `BURN_CONNECTIVITY_SKIP_WGPU` is set, for machines without any Vulkan driver.
 #[allow(deprecated)]
-fn assert_backends_agree<C>(config: &C)
+fn other_backends() -> Vec<(&'static str, Device)> {
+    let mut backends = vec![("ndarray", Device::ndarray())];
+    if std::env::var_os("BURN_CONNECTIVITY_SKIP_WGPU").is_none() {
+        backends.push(("wgpu", burn_connectivity::backend::device("wgpu").unwrap()));
+    }
+    backends
+}
+
+/// The readouts of `model` on `input`, and the gradients of a fixed random linear probe of the
+/// last readout (sums over the batch, through every block) for every parameter that has one.
+fn readouts_and_gradients<M: Module>(
+    model: &M,
+    readout: &impl Fn(&M, Tensor<3>) -> Vec<Tensor<3>>,
+    input: &Tensor<3>,
+    probe: &Tensor<3>,
+) -> (Vec<TensorData>, Vec<TensorData>) {
+    let device = model.devices()[0].clone();
+    let on_device = |x: &Tensor<3>| Tensor::<3>::from_data(x.to_data(), &device);
+    let mut readouts = readout(model, on_device(input));
+    let last = readouts.pop().unwrap();
+    let grads = (last.clone() * on_device(probe)).sum().backward();
+    let values = readouts
+        .into_iter()
+        .chain([last])
+        .map(Tensor::into_data)
+        .collect();
+    (values, parameter_gradients(model, &grads))
+}
+
+/// Builds a model on Flex, copies its weights to every other backend, and checks that values
+/// agree to 1e-5 and gradients to 1e-4 (absolute or relative to their size).
+fn assert_backends_agree<M: Module>(
+    build: impl Fn(&Device) -> M,
+    readout: impl Fn(&M, Tensor<3>) -> Vec<Tensor<3>>,
+) {
+    let flex = Device::flex().autodiff();
+    let reference = build(&flex);
+    let input = Tensor::<3>::random([2, 5, 8], Distribution::Normal(0.0, 1.0), &flex);
+    let probe = Tensor::<3>::random([2, 5, 8], Distribution::Normal(0.0, 1.0), &flex);
+    let (values, gradients) = readouts_and_gradients(&reference, &readout, &input, &probe);
+    assert!(!gradients.is_empty());
+    for (name, device) in other_backends() {
+        let model = reload_module(&reference, build(&device.autodiff()));
+        let (other_values, other_gradients) =
+            readouts_and_gradients(&model, &readout, &input, &probe);
+        eprintln!("comparing flex with {name}");
+        for (value, other) in values.iter().zip(&other_values) {
+            other.assert_approx_eq::<f32>(value, Tolerance::absolute(1e-5));
+        }
+        assert_eq!(
+            gradients.len(),
+            other_gradients.len(),
+            "parameters with a gradient on {name}"
+        );
+        for (gradient, other) in gradients.iter().zip(&other_gradients) {
+            other.assert_approx_eq::<f32>(gradient, gradient_tolerance());
+        }
+    }
+}
+
+/// Every readout of a stack of MLP blocks, and its connectivity matrix, on every backend.
+fn assert_stacks_agree<C>(config: &C)
 where
     C: ConnectivityConfig,
     C::Connectivity: StreamConnectivity<3>,
 {
-    let (flex, ndarray) = (Device::flex().autodiff(), Device::ndarray().autodiff());
-    let on_flex = stack(config, BLOCKS, &flex);
-    let on_ndarray = reload(&on_flex, config, BLOCKS, &ndarray);
-    let x = Tensor::<3>::random([2, 5, 8], Distribution::Normal(0.0, 1.0), &flex);
-    let x_nd = Tensor::<3>::from_data(x.to_data(), &ndarray);
+    assert_backends_agree(|device| stack(config, BLOCKS, device), Stack::readout);
+    let reference = stack(config, BLOCKS, &Device::flex());
+    for (name, device) in other_backends() {
+        let other = reload(&reference, config, BLOCKS, &device);
+        let difference = reference.matrix().max_abs_diff(&other.matrix());
+        assert!(
+            difference < 1e-6,
+            "connectivity matrices differ by {difference} on {name}"
+        );
+    }
+}
 
-    let readouts = on_flex.readout(x).into_iter().zip(on_ndarray.readout(x_nd));
-    for (r, r_nd) in readouts {
-        r_nd.into_data()
-            .assert_approx_eq::<f32>(&r.into_data(), Tolerance::absolute(1e-5));
-    }
-    let x = Tensor::<3>::random([2, 5, 8], Distribution::Normal(0.0, 1.0), &flex);
-    let x_nd = Tensor::<3>::from_data(x.to_data(), &ndarray);
-    let (y, y_nd) = (on_flex.forward(x), on_ndarray.forward(x_nd));
-    let probe = Tensor::<3>::random(y.dims(), Distribution::Normal(0.0, 1.0), &flex);
-    let probe_nd = Tensor::<3>::from_data(probe.to_data(), &ndarray);
-    let grads = (y * probe).sum().backward();
-    let grads_nd = (y_nd * probe_nd).sum().backward();
-    let (expected, actual) = (
-        parameter_gradients(&on_flex, &grads),
-        parameter_gradients(&on_ndarray, &grads_nd),
-    );
-    assert_eq!(expected.len(), actual.len(), "parameters with a gradient");
-    assert!(!expected.is_empty());
-    for (g, g_nd) in expected.iter().zip(&actual) {
-        g_nd.assert_approx_eq::<f32>(g, gradient_tolerance());
-    }
-    let difference = on_flex.matrix().max_abs_diff(&on_ndarray.matrix());
-    assert!(
-        difference < 1e-6,
-        "connectivity matrices differ by {difference}"
-    );
+/// A burn-nn encoder of 3 layers wrapped at `granularity`, with a causal mask, on every backend.
+fn assert_encoders_agree<C>(config: &C, norm_first: bool, granularity: Granularity)
+where
+    C: ConnectivityConfig,
+    C::Connectivity: StreamConnectivity<3>,
+{
+    let build = |device: &Device| {
+        // Burn 0.22.1's exact-GELU backward is the tanh approximation's on NdArray and CubeCL
+        // (see the README): the tanh-approximated GELU has the same gradient everywhere.
+        let encoder = TransformerEncoderConfig::new(8, 16, 2, 3)
+            .with_norm_first(norm_first)
+            .with_dropout(0.0)
+            .with_activation(ActivationConfig::GeluApproximate)
+            .init(device);
+        ConnectedEncoder::new(encoder, granularity, config, device).unwrap()
+    };
+    assert_backends_agree(build, |model, x| {
+        let masks = EncoderMasks::causal(2, 5, &x.device());
+        model.readout(x, &masks)
+    });
 }
 
 fn assert_save_load_is_exact<C>(config: &C)
@@ -131,14 +195,33 @@ where
 #[test]
 fn hacn_family_agrees_across_backends() {
     for config in [HacnConfig::new(), HacnConfig::resnet(), HacnConfig::acn()] {
-        assert_backends_agree(&config);
+        assert_stacks_agree(&config);
     }
 }
 
 #[test]
 fn ancre_agrees_across_backends() {
-    assert_backends_agree(&AncreConfig::new());
-    assert_backends_agree(&AncreConfig::residual(1e-3).with_normalization(Normalization::Outgoing));
+    assert_stacks_agree(&AncreConfig::new());
+    assert_stacks_agree(&AncreConfig::residual(1e-3).with_normalization(Normalization::Outgoing));
+}
+
+#[test]
+fn wrapped_encoders_agree_across_backends() {
+    for (norm_first, granularity) in [
+        (true, Granularity::Block),
+        (true, Granularity::Sublayer),
+        (false, Granularity::Block),
+        (false, Granularity::Sublayer),
+    ] {
+        assert_encoders_agree(&HacnConfig::new(), norm_first, granularity);
+        assert_encoders_agree(&AncreConfig::new(), norm_first, granularity);
+    }
+    let hyperzzw = HyperZzwConnectivityConfig::new(8, 8)
+        .with_local_kernel_sizes(vec![])
+        .with_hidden(8)
+        .with_omega_0(10.0);
+    assert_encoders_agree(&hyperzzw, true, Granularity::Block);
+    assert_encoders_agree(&hyperzzw, true, Granularity::Sublayer);
 }
 
 fn hyperzzw() -> HyperZzwConnectivityConfig {
@@ -149,7 +232,7 @@ fn hyperzzw() -> HyperZzwConnectivityConfig {
 
 #[test]
 fn hyperzzw_connectivity_agrees_across_backends() {
-    assert_backends_agree(&hyperzzw());
+    assert_stacks_agree(&hyperzzw());
 }
 
 #[test]
@@ -197,48 +280,34 @@ fn truncated_models_save_and_load_as_smaller_models() {
     );
 }
 
-/// Global (FFT on Flex, matmul DFT on NdArray) and local HyperZZW: outputs and input gradients.
+/// Global (FFT on Flex and wgpu, matmul DFT on NdArray) and local HyperZZW: outputs and input
+/// gradients.
 #[test]
-#[allow(deprecated)]
 fn hyperzzw_operators_agree_across_backends() {
     use burn_connectivity::hyperzzw::{
-        Crop, LocalHyperZzwConfig, SlowNetConfig, global_hyperzzw_1d, global_hyperzzw_2d,
+        Crop, LocalHyperZzw, LocalHyperZzwConfig, SlowNet, SlowNetConfig, global_hyperzzw_1d,
+        global_hyperzzw_2d,
     };
-    let (flex, ndarray) = (Device::flex().autodiff(), Device::ndarray().autodiff());
-    let on =
-        |x: &Tensor<3>, device: &Device| Tensor::<3>::from_data(x.to_data(), device).require_grad();
+    let flex = Device::flex().autodiff();
     let x = Tensor::<3>::random([2, 4, 19], Distribution::Normal(0.0, 1.0), &flex);
     let target = Tensor::<3>::random([2, 4, 19], Distribution::Normal(0.0, 1.0), &flex);
-
-    let slow = SlowNetConfig::new(vec![19], 4)
-        .with_hidden(8)
-        .with_omega_0(5.0)
-        .init(&flex)
-        .unwrap();
-    let local = LocalHyperZzwConfig::new(4, 5)
-        .with_hidden(8)
-        .with_omega_0(5.0)
-        .init(&flex)
-        .unwrap();
-    let slow_nd = reload_module(
-        &slow,
-        SlowNetConfig::new(vec![19], 4)
+    let build = |device: &Device| {
+        let slow = SlowNetConfig::new(vec![19], 4)
             .with_hidden(8)
-            .init(&ndarray)
-            .unwrap(),
-    );
-    let local_nd = reload_module(
-        &local,
-        LocalHyperZzwConfig::new(4, 5)
+            .with_omega_0(5.0)
+            .init(device)
+            .unwrap();
+        let local = LocalHyperZzwConfig::new(4, 5)
             .with_hidden(8)
-            .init(&ndarray)
-            .unwrap(),
-    );
-
-    let run = |device: &Device,
-               slow: &burn_connectivity::hyperzzw::SlowNet,
-               local: &burn_connectivity::hyperzzw::LocalHyperZzw| {
-        let (x, target) = (on(&x, device), on(&target, device));
+            .with_omega_0(5.0)
+            .init(device)
+            .unwrap();
+        (slow, local)
+    };
+    let run = |(slow, local): &(SlowNet, LocalHyperZzw)| {
+        let device = slow.devices()[0].clone();
+        let on = |x: &Tensor<3>| Tensor::<3>::from_data(x.to_data(), &device).require_grad();
+        let (x, target) = (on(&x), on(&target));
         let global =
             global_hyperzzw_1d(x.clone(), slow.kernel_1d().unwrap(), Crop::Causal).unwrap();
         let map = x.clone().reshape([2, 4, 1, 19]);
@@ -255,12 +324,21 @@ fn hyperzzw_operators_agree_across_backends() {
             x.grad(&grads).unwrap().into_data(),
         )
     };
-    let (outputs, grad) = run(&flex, &slow, &local);
-    let (outputs_nd, grad_nd) = run(&ndarray, &slow_nd, &local_nd);
-    for (y, y_nd) in outputs.iter().zip(&outputs_nd) {
-        y_nd.assert_approx_eq::<f32>(y, Tolerance::absolute(1e-4));
+    let reference = build(&flex);
+    let (outputs, grad) = run(&reference);
+    for (name, device) in other_backends() {
+        let (slow, local) = build(&device.autodiff());
+        let copy = (
+            reload_module(&reference.0, slow),
+            reload_module(&reference.1, local),
+        );
+        let (other_outputs, other_grad) = run(&copy);
+        eprintln!("comparing flex with {name}");
+        for (y, other) in outputs.iter().zip(&other_outputs) {
+            other.assert_approx_eq::<f32>(y, Tolerance::absolute(1e-4));
+        }
+        other_grad.assert_approx_eq::<f32>(&grad, gradient_tolerance());
     }
-    grad_nd.assert_approx_eq::<f32>(&grad, gradient_tolerance());
 }
 
 /// Copies the parameters of `source` into `fresh` (same architecture, any device).

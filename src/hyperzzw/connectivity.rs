@@ -262,8 +262,14 @@ impl StreamConnectivity<3> for HyperZzwConnectivity {
     /// # Panics
     /// If the sequence is longer than `max_len` or shorter than a local kernel (check with
     /// [`Stack::check_input`](crate::Stack::check_input)).
-    fn step(&self, state: HyperZzwState, block: usize, branch: Tensor<3>) -> HyperZzwState {
-        let stream = self.fusions[block].forward(branch, state.stream, self.crop, state.path);
+    fn step_with_tail(
+        &self,
+        state: HyperZzwState,
+        block: usize,
+        branch: Tensor<3>,
+        tail: impl FnOnce(Tensor<3>) -> Tensor<3>,
+    ) -> HyperZzwState {
+        let stream = tail(self.fusions[block].forward(branch, state.stream, self.crop, state.path));
         HyperZzwState {
             stream,
             path: state.path,

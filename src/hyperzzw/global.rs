@@ -154,9 +154,10 @@ impl SpectralConv {
     }
 }
 
-/// The FFT length of a linear convolution of two length-`length` signals.
+/// The FFT length of a linear convolution of two length-`length` signals: a power of two, and
+/// at least 2 because CubeCL's real FFT needs both the DC and the Nyquist bin.
 fn fft_length(length: usize) -> usize {
-    (2 * length - 1).next_power_of_two()
+    (2 * length - 1).next_power_of_two().max(2)
 }
 
 /// Spectrum of `x: [B, C, H, W]` zero-padded for a linear convolution: real FFT along `W`,

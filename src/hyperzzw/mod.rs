@@ -12,13 +12,13 @@
 //! * [`HyperZzwConnectivity`]: HyperZZW fusion in place of identity shortcuts, for any stack of
 //!   token blocks (SPEC 3.5).
 
-mod connectivity;
-mod fft;
-mod global;
-mod local;
-mod sfne;
-mod slow_net;
-mod terminator;
+pub mod connectivity;
+pub mod fft;
+pub mod global;
+pub mod local;
+pub mod sfne;
+pub mod slow_net;
+pub mod terminator;
 
 pub use connectivity::{Fusion, HyperZzwConnectivity, HyperZzwConnectivityConfig, HyperZzwState};
 pub use fft::FftPath;

@@ -1,0 +1,171 @@
+//! The benchmark workloads, shared by `benches/connectivity.rs` (divan) and the
+//! `bench_connectivity` example (JSON lines).
+//!
+//! * `stack{12,24}`: pre-LN MLP blocks `LN → Linear(d, 4d) → GELU → Linear(4d, d)` on
+//!   `[B, T, d] = [8, 128, 256]`, wired as a plain residual loop (`x += f(x)`, written by hand:
+//!   the baseline), H-ACN (also with frozen gates), ANCRe, or the HyperZZW connectivity. `forward` runs the stack;
+//!   `train_step` runs forward and backward of the mean output (gradients of every parameter,
+//!   no optimiser update, which costs the same for every variant).
+//! * `gconv{256,1024,4096}`: global HyperZZW `conv(Z, Z ⊙ K)` on `[B, C, T] = [8, 64, T]`, by FFT
+//!   or by direct `O(T²)` convolution.
+
+#![allow(dead_code)] // the bench and the example use different parts
+
+use burn::prelude::*;
+use burn::tensor::{Distribution, Gradients};
+use burn_connectivity::hyperzzw::{
+    Crop, HyperZzwConnectivity, HyperZzwConnectivityConfig, direct_conv_1d, global_hyperzzw_1d,
+};
+use burn_connectivity::{
+    Ancre, AncreConfig, Block, Hacn, HacnConfig, MlpBlock, MlpBlockConfig, Stack,
+};
+
+pub const BATCH: usize = 8;
+pub const LENGTH: usize = 128;
+pub const WIDTH: usize = 256;
+pub const DEPTHS: [usize; 2] = [12, 24];
+pub const CHANNELS: usize = 64;
+pub const GCONV_LENGTHS: [usize; 3] = [256, 1024, 4096];
+
+/// How the blocks of a stack are wired.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Variant {
+    Residual,
+    Hacn,
+    /// H-ACN with frozen gates: isolates what the gates' gradients cost.
+    HacnFrozen,
+    Ancre,
+    HyperZzw,
+}
+
+impl Variant {
+    pub const ALL: [Variant; 5] = [
+        Self::Residual,
+        Self::Hacn,
+        Self::HacnFrozen,
+        Self::Ancre,
+        Self::HyperZzw,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Residual => "residual",
+            Self::Hacn => "hacn",
+            Self::HacnFrozen => "hacn_frozen",
+            Self::Ancre => "ancre",
+            Self::HyperZzw => "hyperzzw",
+        }
+    }
+}
+
+impl std::fmt::Display for Variant {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// A stack of `depth` MLP blocks under one of the variants.
+pub enum Model {
+    Residual(Vec<MlpBlock>),
+    Hacn(Stack<MlpBlock, Hacn>),
+    Ancre(Stack<MlpBlock, Ancre>),
+    HyperZzw(Stack<MlpBlock, HyperZzwConnectivity>),
+}
+
+impl Model {
+    pub fn new(variant: Variant, depth: usize, device: &Device) -> Self {
+        let blocks = MlpBlockConfig::new(WIDTH, 4 * WIDTH)
+            .init_stack(depth, device)
+            .expect("valid block config");
+        let wired = "valid connectivity config";
+        match variant {
+            Variant::Residual => Self::Residual(blocks),
+            Variant::Hacn => {
+                Self::Hacn(Stack::new(blocks, &HacnConfig::new(), device).expect(wired))
+            }
+            Variant::HacnFrozen => {
+                let frozen = HacnConfig::new().with_trainable(false);
+                Self::Hacn(Stack::new(blocks, &frozen, device).expect(wired))
+            }
+            Variant::Ancre => {
+                Self::Ancre(Stack::new(blocks, &AncreConfig::new(), device).expect(wired))
+            }
+            Variant::HyperZzw => {
+                let config = HyperZzwConnectivityConfig::new(WIDTH, LENGTH);
+                Self::HyperZzw(Stack::new(blocks, &config, device).expect(wired))
+            }
+        }
+    }
+
+    pub fn forward(&self, input: Tensor<3>) -> Tensor<3> {
+        match self {
+            Self::Residual(blocks) => blocks.iter().fold(input, |stream, block| {
+                block.branch(stream.clone(), &()) + stream
+            }),
+            Self::Hacn(stack) => stack.forward(input),
+            Self::Ancre(stack) => stack.forward(input),
+            Self::HyperZzw(stack) => stack.forward(input),
+        }
+    }
+
+    /// Forward and backward of the mean output.
+    pub fn train_step(&self, input: Tensor<3>) -> Gradients {
+        self.forward(input).mean().backward()
+    }
+}
+
+/// A random `[B, T, d]` stack input.
+pub fn stack_input(device: &Device) -> Tensor<3> {
+    Tensor::random(
+        [BATCH, LENGTH, WIDTH],
+        Distribution::Normal(0.0, 1.0),
+        device,
+    )
+}
+
+/// How the global convolution is computed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ConvMethod {
+    Fft,
+    Direct,
+}
+
+impl ConvMethod {
+    pub const ALL: [ConvMethod; 2] = [Self::Fft, Self::Direct];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Fft => "fft",
+            Self::Direct => "direct",
+        }
+    }
+
+    /// Causal `conv(Z, Z ⊙ K)`.
+    pub fn apply(self, z: Tensor<3>, kernel: Tensor<3>) -> Tensor<3> {
+        match self {
+            Self::Fft => global_hyperzzw_1d(z, kernel, Crop::Causal).expect("matching shapes"),
+            Self::Direct => direct_conv_1d(z.clone(), z * kernel, Crop::Causal),
+        }
+    }
+}
+
+impl std::fmt::Display for ConvMethod {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// `Z: [B, C, T]` and a slow-net-like kernel `K: [1, C, T]`.
+pub fn gconv_inputs(length: usize, device: &Device) -> (Tensor<3>, Tensor<3>) {
+    let z = Tensor::random(
+        [BATCH, CHANNELS, length],
+        Distribution::Normal(0.0, 1.0),
+        device,
+    );
+    let kernel = Tensor::random(
+        [1, CHANNELS, length],
+        Distribution::Normal(0.0, 1.0 / length as f64),
+        device,
+    );
+    (z, kernel)
+}

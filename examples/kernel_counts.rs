@@ -1,0 +1,134 @@
+//! Counts the GPU kernels the connectivity adds to a forward pass on a CubeCL backend (wgpu by
+//! default; Mesa's lavapipe where there is no GPU).
+//!
+//! ```text
+//! cargo run --release --example kernel_counts [-- --device wgpu --depth 4]
+//! ```
+//!
+//! Every launch is counted through CubeCL's launch observer, after a warm-up pass (kernel
+//! compilation and autotune) and with the queued work flushed before and after, so a count is
+//! what one pass launches. It reports, for a stack of pre-LN MLP blocks on `[8, 128, 256]`:
+//! the kernels of the whole forward pass per variant and the difference to the plain residual
+//! loop per block, and the kernels of one connectivity step on its own, for the crate's
+//! formulation and for the alternatives it was compared with.
+
+mod common;
+#[path = "../benches/workloads/mod.rs"]
+mod workloads;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use burn::prelude::*;
+use burn::tensor::Distribution;
+use burn_connectivity::{AncreConfig, ConnectivityConfig, HacnConfig, StreamConnectivity};
+use common::Args;
+use cubecl_runtime::logging::{LaunchObservation, LaunchObserver};
+use workloads::{LENGTH, Model, Variant, WIDTH, stack_input};
+
+const USAGE: &str = "usage: kernel_counts [--device wgpu|vulkan|metal|cuda] [--depth N]";
+
+#[derive(Default)]
+struct Counter {
+    launches: AtomicUsize,
+    names: std::sync::Mutex<Vec<&'static str>>,
+}
+
+impl LaunchObserver for Counter {
+    fn launched(&self, kernel: &'static str) {
+        self.launches.fetch_add(1, Ordering::Relaxed);
+        self.names.lock().unwrap().push(kernel);
+    }
+}
+
+/// Kernels launched by one run of `work` (after a warm-up run), all queued work flushed.
+fn count<T>(device: &Device, work: impl Fn() -> T) -> usize {
+    let sync = || device.sync().expect("device sync");
+    drop(work());
+    sync();
+    drop(work());
+    sync();
+    let counter = Arc::new(Counter::default());
+    let observation = LaunchObservation::new(counter.clone());
+    let output = work();
+    sync();
+    drop(observation);
+    drop(output);
+    if std::env::var_os("KERNEL_NAMES").is_some() {
+        for name in counter.names.lock().unwrap().iter() {
+            eprintln!("    {name}");
+        }
+    }
+    counter.launches.load(Ordering::Relaxed)
+}
+
+fn stream(device: &Device) -> Tensor<3> {
+    Tensor::random([8, LENGTH, WIDTH], Distribution::Normal(0.0, 1.0), device)
+}
+
+fn main() -> Result<(), String> {
+    let args = Args::parse(USAGE, &["depth"])?;
+    let name = args.get("device", String::from("wgpu"))?;
+    let device = burn_connectivity::backend::device(&name).map_err(|err| err.to_string())?;
+    let depth = args.get("depth", 4usize)?;
+    let input = stack_input(&device);
+
+    println!("forward pass of {depth} pre-LN MLP blocks on [8, {LENGTH}, {WIDTH}] ({name}):");
+    let mut baseline = None;
+    for variant in [Variant::Residual, Variant::Hacn, Variant::Ancre] {
+        let model = Model::new(variant, depth, &device);
+        let kernels = count(&device, || model.forward(input.clone()));
+        let base = *baseline.get_or_insert(kernels);
+        println!(
+            "  {:>9}: {kernels:>4} kernels ({:+.2} per block vs residual)",
+            variant.name(),
+            (kernels as f64 - base as f64) / depth as f64
+        );
+    }
+
+    println!("one connectivity step on its own (block 2 of {depth}):");
+    let (sum, branch, previous) = (stream(&device), stream(&device), stream(&device));
+    let hacn = HacnConfig::new()
+        .init(depth, &device)
+        .map_err(|err| err.to_string())?;
+    let state = hacn.start(previous.clone());
+    let kernels = count(&device, || {
+        let next = hacn.step(state.clone(), 1, branch.clone());
+        (next.stream, next.sum)
+    });
+    println!("  H-ACN step (acc += h; s = h + a s), crate formulation: {kernels} kernel(s)");
+    let gate = hacn.gates.val().narrow(0, 1, 1).reshape([1, 1, 1]);
+    let kernels = count(&device, || {
+        (
+            sum.clone() + branch.clone(),
+            branch.clone() + previous.clone() * gate.clone(),
+        )
+    });
+    println!("  H-ACN step with a ready gate tensor (lower bound): {kernels} kernel(s)");
+
+    let ancre = AncreConfig::new()
+        .init(depth, &device)
+        .map_err(|err| err.to_string())?;
+    let start = ancre.start(previous.clone());
+    let kernels = count(&device, || ancre.step(start.clone(), 0, branch.clone()));
+    println!(
+        "  ANCRe step (s_1 = h_1 + mixture, then {} pending mixtures += p s_1), crate formulation: {kernels} kernel(s)",
+        depth - 1
+    );
+    let states: Vec<Tensor<3>> = (0..depth).map(|_| stream(&device)).collect();
+    let weights = Tensor::<1>::random([depth], Distribution::Default, &device);
+    let kernels = count(&device, || {
+        states
+            .iter()
+            .enumerate()
+            .map(|(i, s)| s.clone() * weights.clone().narrow(0, i, 1).reshape([1, 1, 1]))
+            .reduce(|a, b| a + b)
+    });
+    println!("  ANCRe mixture of {depth} states as a chain of scaled adds: {kernels} kernel(s)");
+    let kernels = count(&device, || {
+        (Tensor::stack::<4>(states.clone(), 0) * weights.clone().reshape([depth, 1, 1, 1]))
+            .sum_dim(0)
+    });
+    println!("  ANCRe mixture of {depth} states as a stacked reduction: {kernels} kernel(s)");
+    Ok(())
+}

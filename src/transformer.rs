@@ -1,0 +1,694 @@
+//! burn-nn's [`TransformerEncoder`] driven by any connectivity (SPEC §4, ANCRe paper §4.2).
+//!
+//! A [`TransformerEncoderLayer`] adds its own two residuals. [`ConnectedEncoder`] rewires the
+//! layer from its public parts so that the connectivity owns the shortcuts, running every
+//! sublayer exactly once. With `A(x) = Dropout(MHA(x))`, `F(x) = Dropout(FFN(x))`, the layer's own
+//! norms (burn-nn applies `norm_2` before attention in pre-norm layers), and `h ⊕ s` the
+//! connectivity's combination of a branch `h` with its shortcut (H-ACN `h + a_j s_{j-1}`, ANCRe
+//! `h + Σ_i p_ij s_i`, HyperZZW its fusion):
+//!
+//! | granularity | pre-norm layer (`norm_first`) | post-norm layer |
+//! |---|---|---|
+//! | [`Granularity::Block`] (one connectivity block per layer) | `a = A(norm_2(s)) ⊕ s`, `s' = a + F(norm_1(a))` | `a = norm_1(A(s) ⊕ s)`, `s' = norm_2(a + F(a))` |
+//! | [`Granularity::Sublayer`] (two blocks per layer) | `m = A(norm_2(s)) ⊕ s`, `s' = F(norm_1(m)) ⊕ m` | `m = norm_1(A(s) ⊕ s)`, `s' = norm_2(F(m) ⊕ m)` |
+//!
+//! At block level the connectivity replaces the attention shortcut and the feed-forward keeps
+//! its residual, as in the ANCRe paper; H-ACN then has one gate per layer, and its long output
+//! sum credits layer `j` with `s_j − a_j s_{j-1}` (`= A + F` in a pre-norm layer; see
+//! [`StreamConnectivity::step_with_tail`]). At sublayer level attention and feed-forward are
+//! separate targets. With H-ACN's ResNet preset every variant computes the plain encoder.
+//!
+//! The layers keep the record paths of a `TransformerEncoder` (`layers.{i}.mha.query.weight`…),
+//! so a saved encoder loads into the wrapper ([`ConnectedEncoder::load_encoder_record`]); the
+//! connectivity's parameters live under `connectivity.…`.
+//!
+//! ```
+//! use burn::nn::transformer::TransformerEncoderConfig;
+//! use burn::{prelude::*, tensor::Distribution};
+//! use burn_connectivity::transformer::{ConnectedEncoder, EncoderMasks, Granularity};
+//! use burn_connectivity::AncreConfig;
+//!
+//! let device = Device::flex();
+//! let encoder = TransformerEncoderConfig::new(16, 32, 2, 3).with_norm_first(true).init(&device);
+//! let model = ConnectedEncoder::new(encoder, Granularity::Block, &AncreConfig::new(), &device)?;
+//!
+//! let x = Tensor::<3>::random([2, 5, 16], Distribution::Default, &device);
+//! let masks = EncoderMasks::causal(2, 5, &device);
+//! model.check_input(&x, &masks)?;
+//! let y = model.forward(x, &masks);
+//! assert_eq!(y.dims(), [2, 5, 16]);
+//! # Ok::<(), burn_connectivity::Error>(())
+//! ```
+
+use burn::module::{Module, ModuleVisitor, Param};
+use burn::nn::attention::{MhaInput, generate_autoregressive_mask};
+use burn::nn::transformer::{TransformerEncoder, TransformerEncoderLayer};
+use burn::prelude::*;
+use burn::store::ModuleRecord;
+use burn::tensor::Bool;
+
+use crate::connectivity::{Connectivity, ConnectivityConfig, StreamConnectivity};
+use crate::error::{Error, Result, check_depth};
+use crate::matrix::ConnectivityMatrix;
+
+/// Where the connectivity takes over the shortcuts of each encoder layer.
+#[derive(Config, Debug, Copy, PartialEq, Eq)]
+pub enum Granularity {
+    /// One connectivity block per layer: it replaces the attention shortcut, the feed-forward
+    /// keeps its residual (ANCRe's default "block level").
+    Block,
+    /// Attention and feed-forward are separate connectivity blocks (ANCRe's "module level").
+    Sublayer,
+}
+
+impl Granularity {
+    /// Connectivity blocks per encoder layer.
+    pub fn blocks_per_layer(self) -> usize {
+        match self {
+            Self::Block => 1,
+            Self::Sublayer => 2,
+        }
+    }
+}
+
+/// The masks passed to every attention sublayer, as in burn-nn's `TransformerEncoderInput`.
+#[derive(Clone, Debug, Default)]
+pub struct EncoderMasks {
+    /// Padding mask `[batch, length]`, `true` at padded positions.
+    pub pad: Option<Tensor<2, Bool>>,
+    /// Attention mask `[batch, length, length]`, `true` where a query must not attend.
+    pub attention: Option<Tensor<3, Bool>>,
+}
+
+impl EncoderMasks {
+    /// The causal mask of a decoder-only model: position `t` attends to positions `<= t`.
+    pub fn causal(batch: usize, length: usize, device: &Device) -> Self {
+        Self {
+            pad: None,
+            attention: Some(generate_autoregressive_mask(batch, length, device)),
+        }
+    }
+
+    /// Adds a padding mask.
+    pub fn with_pad(mut self, pad: Tensor<2, Bool>) -> Self {
+        self.pad = Some(pad);
+        self
+    }
+
+    /// Adds an attention mask.
+    pub fn with_attention(mut self, attention: Tensor<3, Bool>) -> Self {
+        self.attention = Some(attention);
+        self
+    }
+}
+
+/// burn-nn encoder layers wired by a connectivity (see the [module docs](self)).
+#[derive(Module, Debug)]
+pub struct ConnectedEncoder<C> {
+    /// The encoder layers, under the record paths of a `TransformerEncoder`.
+    pub layers: Vec<TransformerEncoderLayer>,
+    /// How the layers (or their sublayers) are wired.
+    pub connectivity: C,
+    /// Whether the connectivity wires layers or sublayers.
+    #[module(skip)]
+    pub granularity: Granularity,
+}
+
+impl<C: Connectivity> ConnectedEncoder<C> {
+    /// Wraps the layers of `encoder` with the connectivity `config` builds for them.
+    ///
+    /// # Errors
+    /// As [`from_layers`](Self::from_layers).
+    pub fn new(
+        encoder: TransformerEncoder,
+        granularity: Granularity,
+        config: &impl ConnectivityConfig<Connectivity = C>,
+        device: &Device,
+    ) -> Result<Self> {
+        Self::from_layers(encoder.layers, granularity, config, device)
+    }
+
+    /// Wraps `layers` with the connectivity `config` builds for them (one block per layer, or
+    /// two at [`Granularity::Sublayer`]).
+    ///
+    /// # Errors
+    /// [`Error::NoBlocks`] without layers, [`Error::WidthMismatch`] if the layers have different
+    /// widths, or whatever `config` rejects.
+    pub fn from_layers(
+        layers: Vec<TransformerEncoderLayer>,
+        granularity: Granularity,
+        config: &impl ConnectivityConfig<Connectivity = C>,
+        device: &Device,
+    ) -> Result<Self> {
+        let blocks = layers.len() * granularity.blocks_per_layer();
+        if blocks == 0 {
+            return Err(Error::NoBlocks);
+        }
+        let connectivity = config.init(blocks, device)?;
+        Self::from_parts(layers, connectivity, granularity)
+    }
+
+    /// Wraps `layers` with an existing connectivity.
+    ///
+    /// # Errors
+    /// [`Error::NoBlocks`] without layers, [`Error::BlockCountMismatch`] if the connectivity was
+    /// built for another number of blocks, [`Error::WidthMismatch`] for layers of different
+    /// widths.
+    pub fn from_parts(
+        layers: Vec<TransformerEncoderLayer>,
+        connectivity: C,
+        granularity: Granularity,
+    ) -> Result<Self> {
+        let Some(first) = layers.first() else {
+            return Err(Error::NoBlocks);
+        };
+        let width = first.mha.d_model;
+        if let Some((index, layer)) = layers
+            .iter()
+            .enumerate()
+            .find(|(_, layer)| layer.mha.d_model != width)
+        {
+            return Err(Error::WidthMismatch {
+                name: format!("width of encoder layer {index}"),
+                expected: width,
+                found: layer.mha.d_model,
+            });
+        }
+        let blocks = layers.len() * granularity.blocks_per_layer();
+        if connectivity.num_blocks() != blocks {
+            return Err(Error::BlockCountMismatch {
+                connectivity: connectivity.num_blocks(),
+                blocks,
+            });
+        }
+        Ok(Self {
+            layers,
+            connectivity,
+            granularity,
+        })
+    }
+
+    /// Number of encoder layers.
+    pub fn num_layers(&self) -> usize {
+        self.layers.len()
+    }
+
+    /// Model width `d_model`.
+    pub fn d_model(&self) -> usize {
+        self.layers[0].mha.d_model
+    }
+
+    /// The connectivity matrix over the connectivity's blocks (layers, or sublayers in the
+    /// order attention, feed-forward).
+    pub fn matrix(&self) -> ConnectivityMatrix {
+        self.connectivity.matrix()
+    }
+
+    /// The first `layers` layers, whose output is this model's readout after that many layers.
+    ///
+    /// # Errors
+    /// [`Error::DepthOutOfRange`] unless `1 <= layers <= num_layers()`.
+    pub fn truncated(&self, layers: usize) -> Result<Self> {
+        check_depth(layers, 1, self.num_layers())?;
+        let blocks = layers * self.granularity.blocks_per_layer();
+        Ok(Self {
+            layers: self.layers[..layers].to_vec(),
+            connectivity: self.connectivity.truncated(blocks)?,
+            granularity: self.granularity,
+        })
+    }
+
+    /// Loads the weights of a saved `TransformerEncoder` with as many layers (its
+    /// [`Module::into_record`], or a burnpack file read with [`ModuleRecord::load`]). The
+    /// connectivity keeps its parameters.
+    ///
+    /// # Errors
+    /// [`Error::Record`] unless the record holds exactly the layers' tensors, under their paths
+    /// and with their shapes.
+    pub fn load_encoder_record(self, record: ModuleRecord) -> Result<Self> {
+        let expected = count_float_tensors(&self.layers);
+        if record.len() != expected {
+            return Err(Error::Record(format!(
+                "the record holds {} tensors, the {} encoder layers have {expected}",
+                record.len(),
+                self.num_layers()
+            )));
+        }
+        self.try_load_record(record.allow_partial(true))
+            .map_err(|error| Error::Record(error.to_string()))
+    }
+
+    /// Checks the input `[batch, length, d_model]` and the masks' shapes, and asks the
+    /// connectivity whether it accepts the input.
+    ///
+    /// # Errors
+    /// [`Error::WidthMismatch`] or [`Error::ShapeMismatch`] naming what does not fit, or the
+    /// connectivity's error.
+    pub fn check_input(&self, input: &Tensor<3>, masks: &EncoderMasks) -> Result<()> {
+        let [batch, length, width] = input.dims();
+        if width != self.d_model() {
+            return Err(Error::WidthMismatch {
+                name: "encoder input".into(),
+                expected: self.d_model(),
+                found: width,
+            });
+        }
+        let check = |name: &str, expected: Vec<usize>, found: Vec<usize>| {
+            if expected == found {
+                Ok(())
+            } else {
+                Err(Error::ShapeMismatch {
+                    name: name.into(),
+                    expected,
+                    found,
+                })
+            }
+        };
+        if let Some(pad) = &masks.pad {
+            check("padding mask", vec![batch, length], pad.dims().to_vec())?;
+        }
+        if let Some(attention) = &masks.attention {
+            check(
+                "attention mask",
+                vec![batch, length, length],
+                attention.dims().to_vec(),
+            )?;
+        }
+        self.connectivity.check_input(&input.dims())
+    }
+}
+
+impl<C: StreamConnectivity<3>> ConnectedEncoder<C> {
+    /// The encoder output.
+    pub fn forward(&self, input: Tensor<3>, masks: &EncoderMasks) -> Tensor<3> {
+        let state = self.run_layers(input, self.num_layers(), masks, |_| {});
+        self.connectivity.output(&state)
+    }
+
+    /// The readouts after `0, 1, …, L` layers (what [`truncated`](Self::truncated) models
+    /// compute), from one pass.
+    pub fn readout(&self, input: Tensor<3>, masks: &EncoderMasks) -> Vec<Tensor<3>> {
+        let mut readouts = vec![
+            self.connectivity
+                .output(&self.connectivity.start(input.clone())),
+        ];
+        self.run_layers(input, self.num_layers(), masks, |state| {
+            readouts.push(self.connectivity.output(state));
+        });
+        readouts
+    }
+
+    /// The connectivity state after the first `layers` layers.
+    ///
+    /// # Errors
+    /// [`Error::DepthOutOfRange`] unless `layers <= num_layers()`.
+    pub fn run(&self, input: Tensor<3>, layers: usize, masks: &EncoderMasks) -> Result<C::State> {
+        check_depth(layers, 0, self.num_layers())?;
+        Ok(self.run_layers(input, layers, masks, |_| {}))
+    }
+
+    fn run_layers(
+        &self,
+        input: Tensor<3>,
+        layers: usize,
+        masks: &EncoderMasks,
+        mut after_layer: impl FnMut(&C::State),
+    ) -> C::State {
+        let mut state = self.connectivity.start(input);
+        for index in 0..layers {
+            state = self.layer(state, index, masks);
+            after_layer(&state);
+        }
+        state
+    }
+
+    /// Steps the connectivity through layer `index` (see the table in the module docs).
+    fn layer(&self, state: C::State, index: usize, masks: &EncoderMasks) -> C::State {
+        let layer = &self.layers[index];
+        let wiring = &self.connectivity;
+        let input = wiring.block_input(&state);
+        match (self.granularity, layer.norm_first) {
+            (Granularity::Block, true) => {
+                let branch = attention(layer, layer.norm_2.forward(input), masks);
+                wiring.step_with_tail(state, index, branch, |mixed| {
+                    mixed.clone() + feed_forward(layer, layer.norm_1.forward(mixed))
+                })
+            }
+            (Granularity::Block, false) => {
+                let branch = attention(layer, input, masks);
+                wiring.step_with_tail(state, index, branch, |mixed| {
+                    let mixed = layer.norm_1.forward(mixed);
+                    layer
+                        .norm_2
+                        .forward(mixed.clone() + feed_forward(layer, mixed))
+                })
+            }
+            (Granularity::Sublayer, true) => {
+                let branch = attention(layer, layer.norm_2.forward(input), masks);
+                let state = wiring.step(state, 2 * index, branch);
+                let input = wiring.block_input(&state);
+                let branch = feed_forward(layer, layer.norm_1.forward(input));
+                wiring.step(state, 2 * index + 1, branch)
+            }
+            (Granularity::Sublayer, false) => {
+                let branch = attention(layer, input, masks);
+                let state = wiring.step_with_tail(state, 2 * index, branch, |mixed| {
+                    layer.norm_1.forward(mixed)
+                });
+                let branch = feed_forward(layer, wiring.block_input(&state));
+                wiring.step_with_tail(state, 2 * index + 1, branch, |mixed| {
+                    layer.norm_2.forward(mixed)
+                })
+            }
+        }
+    }
+}
+
+/// `Dropout(MHA(input))` with the masks.
+fn attention(layer: &TransformerEncoderLayer, input: Tensor<3>, masks: &EncoderMasks) -> Tensor<3> {
+    let mut query = MhaInput::self_attn(input);
+    if let Some(pad) = &masks.pad {
+        query = query.mask_pad(pad.clone());
+    }
+    if let Some(attention) = &masks.attention {
+        query = query.mask_attn(attention.clone());
+    }
+    layer.dropout.forward(layer.mha.forward(query).context)
+}
+
+/// `Dropout(FFN(input))`.
+fn feed_forward(layer: &TransformerEncoderLayer, input: Tensor<3>) -> Tensor<3> {
+    layer.dropout.forward(layer.pwff.forward(input))
+}
+
+/// Float tensors a record of `module` holds.
+fn count_float_tensors(module: &impl Module) -> usize {
+    struct Counter(usize);
+    impl ModuleVisitor for Counter {
+        fn visit_float<const D: usize>(&mut self, _param: &Param<Tensor<D>>) {
+            self.0 += 1;
+        }
+    }
+    let mut counter = Counter(0);
+    module.visit(&mut counter);
+    counter.0
+}
+
+#[cfg(test)]
+mod tests {
+    use burn::nn::transformer::{TransformerEncoderConfig, TransformerEncoderInput};
+    use burn::tensor::{Distribution, Tolerance};
+
+    use super::*;
+    use crate::hacn::{GateInit, HacnConfig};
+    use crate::hyperzzw::HyperZzwConnectivityConfig;
+    use crate::{AncreConfig, Normalization};
+
+    const WIDTH: usize = 8;
+    const LAYERS: usize = 3;
+    const GATES: [f64; 6] = [0.3, 0.7, 0.5, 0.2, 0.9, 0.4];
+
+    fn encoder(norm_first: bool, device: &Device) -> TransformerEncoder {
+        TransformerEncoderConfig::new(WIDTH, 16, 2, LAYERS)
+            .with_norm_first(norm_first)
+            .with_dropout(0.0)
+            .init(device)
+    }
+
+    fn input(device: &Device) -> Tensor<3> {
+        Tensor::random([2, 5, WIDTH], Distribution::Normal(0.0, 1.0), device)
+    }
+
+    /// Causal attention, and the last two positions of the second sequence padded.
+    fn masks(device: &Device) -> EncoderMasks {
+        let pad = Tensor::<1, Int>::arange(0..5, device)
+            .reshape([1, 5])
+            .repeat_dim(0, 2)
+            .greater_equal(Tensor::<2, Int>::from_data([[5], [3]], device));
+        EncoderMasks::causal(2, 5, device).with_pad(pad)
+    }
+
+    fn plain(encoder: &TransformerEncoder, input: Tensor<3>, masks: &EncoderMasks) -> Tensor<3> {
+        let masks = masks.clone();
+        encoder.forward(
+            TransformerEncoderInput::new(input)
+                .mask_pad(masks.pad.unwrap())
+                .mask_attn(masks.attention.unwrap()),
+        )
+    }
+
+    fn assert_close(actual: Tensor<3>, expected: Tensor<3>) {
+        actual
+            .into_data()
+            .assert_approx_eq::<f32>(&expected.into_data(), Tolerance::absolute(1e-5));
+    }
+
+    fn gates(blocks: usize) -> HacnConfig {
+        HacnConfig::new().with_init(GateInit::Values {
+            values: GATES[..blocks].to_vec(),
+        })
+    }
+
+    const VARIANTS: [(bool, Granularity); 4] = [
+        (true, Granularity::Block),
+        (true, Granularity::Sublayer),
+        (false, Granularity::Block),
+        (false, Granularity::Sublayer),
+    ];
+
+    #[test]
+    fn resnet_preset_is_the_plain_encoder_with_masks() {
+        let device = Device::flex();
+        let (x, masks) = (input(&device), masks(&device));
+        for (norm_first, granularity) in VARIANTS {
+            let encoder = encoder(norm_first, &device);
+            let expected = plain(&encoder, x.clone(), &masks);
+            let model = ConnectedEncoder::new(encoder, granularity, &HacnConfig::resnet(), &device)
+                .unwrap();
+            assert_close(model.forward(x.clone(), &masks), expected);
+        }
+    }
+
+    #[test]
+    fn ancre_residual_preset_is_near_the_plain_encoder() {
+        let device = Device::flex();
+        let (x, masks) = (input(&device), masks(&device));
+        for (norm_first, granularity) in VARIANTS {
+            let encoder = encoder(norm_first, &device);
+            let expected = plain(&encoder, x.clone(), &masks);
+            let config = AncreConfig::residual(1e-6);
+            let model = ConnectedEncoder::new(encoder, granularity, &config, &device).unwrap();
+            model
+                .forward(x.clone(), &masks)
+                .into_data()
+                .assert_approx_eq::<f32>(&expected.into_data(), Tolerance::absolute(1e-4));
+        }
+    }
+
+    /// Block level, pre-norm: `a = A(norm_2(s)) + g s`, `s' = a + F(norm_1(a))`,
+    /// `y = s_0 + Σ_j (s_j − g_j s_{j-1})`, written out by hand.
+    #[test]
+    fn hacn_block_level_pre_norm_matches_its_closed_form() {
+        let device = Device::flex();
+        let (x, masks) = (input(&device), masks(&device));
+        let encoder = encoder(true, &device);
+        let model =
+            ConnectedEncoder::new(encoder, Granularity::Block, &gates(LAYERS), &device).unwrap();
+
+        let (mut stream, mut sum) = (x.clone(), x.clone());
+        for (layer, gate) in model.layers.iter().zip(GATES) {
+            let carried = stream.clone() * gate;
+            let mixed = attention(layer, layer.norm_2.forward(stream), &masks) + carried.clone();
+            stream = mixed.clone() + feed_forward(layer, layer.norm_1.forward(mixed));
+            sum = sum + stream.clone() - carried;
+        }
+        assert_close(model.forward(x, &masks), sum);
+    }
+
+    /// Sublayer level, post-norm: `m = norm_1(A(s) + g s)`, `s' = norm_2(F(m) + g' m)`, and the
+    /// output credits each sublayer with its stream minus the carried part.
+    #[test]
+    fn hacn_sublayer_level_post_norm_matches_its_closed_form() {
+        let device = Device::flex();
+        let (x, masks) = (input(&device), masks(&device));
+        let encoder = encoder(false, &device);
+        let config = gates(2 * LAYERS);
+        let model =
+            ConnectedEncoder::new(encoder, Granularity::Sublayer, &config, &device).unwrap();
+
+        let (mut stream, mut sum) = (x.clone(), x.clone());
+        for (layer, pair) in model.layers.iter().zip(GATES.chunks(2)) {
+            let carried = stream.clone() * pair[0];
+            let mixed = layer
+                .norm_1
+                .forward(attention(layer, stream, &masks) + carried.clone());
+            sum = sum + mixed.clone() - carried;
+            let carried = mixed.clone() * pair[1];
+            stream = layer
+                .norm_2
+                .forward(feed_forward(layer, mixed) + carried.clone());
+            sum = sum + stream.clone() - carried;
+        }
+        assert_close(model.forward(x, &masks), sum);
+    }
+
+    /// Sublayer level, pre-norm, is an ordinary connectivity over `2L` branches: ANCRe's
+    /// progressive mixture must equal `s_j = h_j + Σ_i p_ij s_i` with every state kept.
+    #[test]
+    fn ancre_sublayer_level_pre_norm_mixes_every_earlier_state() {
+        let device = Device::flex();
+        let (x, masks) = (input(&device), masks(&device));
+        let config = AncreConfig::new()
+            .with_temperature(1.0)
+            .with_normalization(Normalization::Ingoing);
+        let model = ConnectedEncoder::new(
+            encoder(true, &device),
+            Granularity::Sublayer,
+            &config,
+            &device,
+        )
+        .unwrap();
+        let p = model.connectivity.coefficient_values();
+
+        let mut states = vec![x.clone()];
+        for (block, layer) in (0..2 * LAYERS).map(|b| (b, &model.layers[b / 2])) {
+            let input = states[block].clone();
+            let branch = if block % 2 == 0 {
+                attention(layer, layer.norm_2.forward(input), &masks)
+            } else {
+                feed_forward(layer, layer.norm_1.forward(input))
+            };
+            let mixture = states
+                .iter()
+                .enumerate()
+                .map(|(i, s)| s.clone() * p[i][block + 1])
+                .reduce(|a, b| a + b)
+                .unwrap();
+            states.push(branch + mixture);
+        }
+        assert_close(model.forward(x, &masks), states.pop().unwrap());
+    }
+
+    #[test]
+    fn readout_and_truncation_agree() {
+        let device = Device::flex();
+        let (x, masks) = (input(&device), masks(&device));
+        for (norm_first, granularity) in VARIANTS {
+            let config = gates(LAYERS * granularity.blocks_per_layer());
+            let model =
+                ConnectedEncoder::new(encoder(norm_first, &device), granularity, &config, &device)
+                    .unwrap();
+            let readout = model.readout(x.clone(), &masks);
+            assert_eq!(readout.len(), LAYERS + 1);
+            assert_close(readout[0].clone(), x.clone());
+            for (layers, expected) in readout.iter().enumerate().skip(1) {
+                let truncated = model.truncated(layers).unwrap();
+                assert_eq!(truncated.num_layers(), layers);
+                assert_close(truncated.forward(x.clone(), &masks), expected.clone());
+            }
+            assert_close(model.forward(x.clone(), &masks), readout[LAYERS].clone());
+            assert!(model.truncated(0).is_err());
+            assert!(model.truncated(LAYERS + 1).is_err());
+        }
+    }
+
+    #[test]
+    fn hyperzzw_connectivity_wraps_an_encoder() {
+        let device = Device::flex();
+        let x = input(&device);
+        let masks = EncoderMasks::causal(2, 5, &device);
+        let config = HyperZzwConnectivityConfig::new(WIDTH, 8)
+            .with_local_kernel_sizes(vec![])
+            .with_hidden(8);
+        for granularity in [Granularity::Block, Granularity::Sublayer] {
+            let model =
+                ConnectedEncoder::new(encoder(true, &device), granularity, &config, &device)
+                    .unwrap();
+            assert_eq!(
+                model.connectivity.num_blocks(),
+                LAYERS * granularity.blocks_per_layer()
+            );
+            model.check_input(&x, &masks).unwrap();
+            let y = model.forward(x.clone(), &masks);
+            assert_eq!(y.dims(), [2, 5, WIDTH]);
+            assert!(y.into_data().iter::<f32>().all(f32::is_finite));
+            let too_long = Tensor::<3>::zeros([1, 9, WIDTH], &device);
+            assert!(
+                model
+                    .check_input(&too_long, &EncoderMasks::default())
+                    .is_err()
+            );
+        }
+    }
+
+    #[test]
+    fn a_saved_encoder_loads_into_the_wrapper() {
+        let device = Device::flex();
+        let (x, masks) = (input(&device), masks(&device));
+        let trained = encoder(true, &device);
+        let expected = plain(&trained, x.clone(), &masks);
+        let record = trained.into_record();
+
+        let fresh = ConnectedEncoder::new(
+            encoder(true, &device),
+            Granularity::Sublayer,
+            &HacnConfig::resnet(),
+            &device,
+        )
+        .unwrap();
+        let loaded = fresh.load_encoder_record(record).unwrap();
+        assert_close(loaded.forward(x, &masks), expected);
+
+        let deeper = TransformerEncoderConfig::new(WIDTH, 16, 2, LAYERS + 1).init(&device);
+        let fresh = ConnectedEncoder::new(
+            encoder(true, &device),
+            Granularity::Block,
+            &gates(3),
+            &device,
+        )
+        .unwrap();
+        let err = fresh.load_encoder_record(deeper.into_record()).unwrap_err();
+        assert!(matches!(err, Error::Record(_)), "{err}");
+    }
+
+    #[test]
+    fn bad_shapes_and_configs_are_errors() {
+        let device = Device::flex();
+        let model = ConnectedEncoder::new(
+            encoder(true, &device),
+            Granularity::Block,
+            &gates(3),
+            &device,
+        )
+        .unwrap();
+        let x = input(&device);
+        let wide = Tensor::<3>::zeros([2, 5, WIDTH + 1], &device);
+        let err = model
+            .check_input(&wide, &EncoderMasks::default())
+            .unwrap_err();
+        assert!(matches!(err, Error::WidthMismatch { .. }), "{err}");
+        let short_mask = EncoderMasks::causal(2, 4, &device);
+        let err = model.check_input(&x, &short_mask).unwrap_err();
+        assert!(matches!(err, Error::ShapeMismatch { .. }), "{err}");
+
+        let wrong_count = ConnectedEncoder::new(
+            encoder(true, &device),
+            Granularity::Sublayer,
+            &gates(3),
+            &device,
+        );
+        assert!(matches!(wrong_count, Err(Error::CountMismatch { .. })));
+        let empty = ConnectedEncoder::from_layers(vec![], Granularity::Block, &gates(3), &device);
+        assert!(matches!(empty, Err(Error::NoBlocks)));
+        let mut layers = encoder(true, &device).layers;
+        layers.push(
+            TransformerEncoderConfig::new(WIDTH * 2, 16, 2, 1)
+                .init(&device)
+                .layers
+                .remove(0),
+        );
+        let mixed =
+            ConnectedEncoder::from_layers(layers, Granularity::Block, &HacnConfig::new(), &device);
+        assert!(matches!(mixed, Err(Error::WidthMismatch { .. })));
+    }
+}

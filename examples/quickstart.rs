@@ -12,62 +12,13 @@
 mod common;
 
 use burn::nn::loss::CrossEntropyLossConfig;
-use burn::nn::{LayerNorm, LayerNormConfig, Linear, LinearConfig};
 use burn::optim::{AdamConfig, GradientsParams};
 use burn::prelude::*;
-use burn_connectivity::{Hacn, HacnConfig, MlpBlock, MlpBlockConfig, Stack};
-use common::{Args, Digits, accuracy, shuffled};
+use burn_connectivity::HacnConfig;
+use common::{Args, Classifier, Digits, accuracy, shuffled};
 
 const USAGE: &str =
     "usage: quickstart [--device NAME] [--epochs N] [--blocks N] [--width N] [--lr X] [--seed N]";
-
-/// Pixels → embedding → connected stack of MLP blocks → LayerNorm → linear head.
-#[derive(Module, Debug)]
-struct Classifier {
-    embed: Linear,
-    stack: Stack<MlpBlock, Hacn>,
-    norm: LayerNorm,
-    head: Linear,
-}
-
-impl Classifier {
-    fn new(
-        connectivity: &HacnConfig,
-        settings: &Settings,
-        device: &Device,
-    ) -> Result<Self, String> {
-        let width = settings.width;
-        // Blocks and head are drawn before the connectivity so every variant starts from the
-        // same weights; only H-ACN's noisy gates draw after them.
-        let embed = LinearConfig::new(64, width).init(device);
-        let blocks = MlpBlockConfig::new(width, 2 * width)
-            .init_stack(settings.blocks, device)
-            .map_err(|err| err.to_string())?;
-        let norm = LayerNormConfig::new(width).init(device);
-        let head = LinearConfig::new(width, Digits::CLASSES).init(device);
-        let stack = Stack::new(blocks, connectivity, device).map_err(|err| err.to_string())?;
-        Ok(Self {
-            embed,
-            stack,
-            norm,
-            head,
-        })
-    }
-
-    fn classify(&self, readout: Tensor<2>) -> Tensor<2> {
-        self.head.forward(self.norm.forward(readout))
-    }
-
-    fn forward(&self, pixels: Tensor<2>) -> Tensor<2> {
-        self.classify(self.stack.forward(self.embed.forward(pixels)))
-    }
-
-    /// Logits of every readout `y_0..y_L` through the shared head.
-    fn layerwise(&self, pixels: Tensor<2>) -> Vec<Tensor<2>> {
-        let readout = self.stack.readout(self.embed.forward(pixels));
-        readout.into_iter().map(|y| self.classify(y)).collect()
-    }
-}
 
 struct Settings {
     epochs: usize,
@@ -96,7 +47,7 @@ fn train(
 ) -> Result<Report, String> {
     let started = std::time::Instant::now();
     device.seed(settings.seed);
-    let mut model = Classifier::new(connectivity, settings, device)?;
+    let mut model = Classifier::new(connectivity, settings.blocks, settings.width, device)?;
     let mut optimizer = AdamConfig::new().init();
     let loss_fn = CrossEntropyLossConfig::new().init(device);
     let all_test: Vec<usize> = (0..test_set.len()).collect();

@@ -1,6 +1,11 @@
-//! PNG charts (cargo feature `plot`): curves such as loss vs step or accuracy vs depth.
+//! PNG charts (cargo feature `plot`): curves such as loss vs step or accuracy vs depth
+//! ([`LineChart`]), and matrices such as `C` or ANCRe's `p` ([`Heatmap`]).
 //!
 //! Text is drawn with the bundled DejaVu Sans, so no system font library is needed.
+
+mod heatmap;
+
+pub use heatmap::Heatmap;
 
 use std::path::Path;
 use std::sync::OnceLock;

@@ -5,7 +5,9 @@
 use std::collections::HashMap;
 use std::str::FromStr;
 
+use burn::nn::{LayerNorm, LayerNormConfig, Linear, LinearConfig};
 use burn::prelude::*;
+use burn_connectivity::{Hacn, HacnConfig, MlpBlock, MlpBlockConfig, Stack};
 
 /// `--name value` flags and positional arguments.
 pub struct Args {
@@ -142,4 +144,53 @@ pub fn accuracy(logits: Tensor<2>, labels: Tensor<1, Int>) -> f64 {
     let predictions = logits.argmax(1).flatten::<1>(0, 1);
     let correct = predictions.equal(labels).int().sum().into_scalar::<i64>();
     correct as f64 / total as f64
+}
+
+/// Pixels → embedding → connected stack of MLP blocks → LayerNorm → linear head.
+#[derive(Module, Debug)]
+pub struct Classifier {
+    pub embed: Linear,
+    pub stack: Stack<MlpBlock, Hacn>,
+    pub norm: LayerNorm,
+    pub head: Linear,
+}
+
+impl Classifier {
+    /// `blocks` MLP blocks of width `width` wired by `connectivity`.
+    pub fn new(
+        connectivity: &HacnConfig,
+        blocks: usize,
+        width: usize,
+        device: &Device,
+    ) -> Result<Self, String> {
+        // Blocks and head are drawn before the connectivity so every variant starts from the
+        // same weights; only H-ACN's noisy gates draw after them.
+        let embed = LinearConfig::new(64, width).init(device);
+        let blocks = MlpBlockConfig::new(width, 2 * width)
+            .init_stack(blocks, device)
+            .map_err(|err| err.to_string())?;
+        let norm = LayerNormConfig::new(width).init(device);
+        let head = LinearConfig::new(width, Digits::CLASSES).init(device);
+        let stack = Stack::new(blocks, connectivity, device).map_err(|err| err.to_string())?;
+        Ok(Self {
+            embed,
+            stack,
+            norm,
+            head,
+        })
+    }
+
+    pub fn classify(&self, readout: Tensor<2>) -> Tensor<2> {
+        self.head.forward(self.norm.forward(readout))
+    }
+
+    pub fn forward(&self, pixels: Tensor<2>) -> Tensor<2> {
+        self.classify(self.stack.forward(self.embed.forward(pixels)))
+    }
+
+    /// Logits of every readout `y_0..y_L` through the shared head.
+    pub fn layerwise(&self, pixels: Tensor<2>) -> Vec<Tensor<2>> {
+        let readout = self.stack.readout(self.embed.forward(pixels));
+        readout.into_iter().map(|y| self.classify(y)).collect()
+    }
 }

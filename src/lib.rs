@@ -9,6 +9,7 @@ pub mod compression;
 mod connectivity;
 mod depth_ln;
 mod error;
+pub mod guide;
 pub mod hacn;
 pub mod health;
 pub mod hyperzzw;

@@ -1,0 +1,64 @@
+//! Every configuration option, the paper section or equation it implements, and the decisions
+//! taken where the papers are vague.
+//!
+//! Papers: **H-ACN** (Hybrid Auto-Compressing Networks), **ANCRe** (Adaptive Neural Connection
+//! Reassignment), **HyperZZW** (Hyper Z·Z·W operator / Terminator, and its withdrawn 2D reference
+//! code). "Decision" marks a choice the papers leave open.
+//!
+//! # Shared vocabulary
+//!
+//! | item | meaning | source |
+//! |---|---|---|
+//! | [`Block`](crate::Block) | a residual branch `h_j = f_j(s_{j-1})`, never adding its input | all papers |
+//! | [`Connectivity`](crate::Connectivity) / [`StreamConnectivity`](crate::StreamConnectivity) | maps branch outputs to block inputs `s_j` and the output `y` | all papers |
+//! | [`ConnectivityMatrix`](crate::ConnectivityMatrix) | `C[i][j]`: coefficient of `h_i` in `s_{j-1}`; `out[i]`: in `y` | H-ACN eq. 4 |
+//! | [`Stack::readout`](crate::Stack::readout), [`Stack::truncated`](crate::Stack::truncated) | `y_k`, the output of the first `k` blocks through the same head | H-ACN §3.1 (layer-wise accuracy) |
+//! | [`StreamConnectivity::step_with_tail`](crate::StreamConnectivity::step_with_tail) | a layer that post-processes the combined stream (feed-forward residual, post-norm) | ANCRe §4.2; decision: blocks are credited with `s_j − shortcut` in the long output sum |
+//!
+//! # H-ACN ([`HacnConfig`](crate::HacnConfig), [`DepthLnConfig`](crate::DepthLnConfig))
+//!
+//! | option | implements | notes |
+//! |---|---|---|
+//! | `init: GateInit::Normal { mean, std }` | §3.1, `s_j = h_j + a_j s_{j-1}`, gate init | default `N(0.25, 0.005)` (Table 6's best); the paper writes the std as `N`'s second argument |
+//! | `init: GateInit::HalfLayers { first, rest, std }` | init ablation | 0.4 for the first half, 0.15 for the rest |
+//! | `init: GateInit::ExpDecay { start, end, std }` | init ablation | mean decays exponentially from 0.25 to 0.1 with depth |
+//! | `init: GateInit::Constant`, `trainable: false` | ResNet (`a = 1`) and ACN (`a = 0`) presets: [`HacnConfig::resnet`](crate::HacnConfig::resnet), [`HacnConfig::acn`](crate::HacnConfig::acn) | `y = Σ h_i` is the long output sum in every case |
+//! | `init: GateInit::Values` | explicit gates | golden tests |
+//! | `trainable` | H-ACN (trained gates) vs frozen | gates are not weight-decayed ([`training`](crate::training)), as in the reference code |
+//! | `DepthLnConfig::strength` | App. D eq. 7, `(1 + l·s)·LN(x)` | `s` init 0.05, one per layer; decision: `l` counts blocks from 1, LN keeps its affine parameters |
+//! | `MlpBlockConfig::depth_ln` | pre-norm MLP block with DepthLN | not from a paper: a convenient block |
+//!
+//! # ANCRe ([`AncreConfig`](crate::AncreConfig))
+//!
+//! | option | implements | notes |
+//! |---|---|---|
+//! | `temperature` τ | eq. 7–8, `p_ij = softmax_i(c_ij / τ)` | default 0.1 (the paper's LLM runs used 0.01) |
+//! | `normalization: Ingoing` | eq. 7–8 (softmax over the sources of each target) | default; mixes block *inputs* `s_i`, accumulated progressively (no stacked history) |
+//! | `normalization: Outgoing` | eq. 6 (softmax over the targets of each source) | ablation; a truncated outgoing ANCRe keeps the full logit matrix so `p` does not change |
+//! | `init: AncreInit::Uniform` | all logits 0, `p_ij = 1/j` | decision: follows the reference code |
+//! | `init: AncreInit::Residual { tolerance }` | starts within `tolerance` of ResNet (`p_{j-1,j} ≥ 1 − tolerance`) | decision: a preset the paper implies |
+//! | `init: AncreInit::Values` | explicit logits | golden tests; `p_01 = 1` always (its logit is not trained) |
+//! | [`Ancre::tsallis_entropy`](crate::Ancre::tsallis_entropy) | §4.1, sparsity regulariser on every column of `p` | a loss term the user adds |
+//! | [`Granularity`](crate::transformer::Granularity) | §4.2: block level (mixture replaces the attention shortcut, feed-forward keeps its residual; default) and module level | the public LLaMA code's "additive" variant (mixture added after the whole layer) is not offered |
+//!
+//! # HyperZZW / SFNE ([`hyperzzw`](crate::hyperzzw))
+//!
+//! | option | implements | notes |
+//! |---|---|---|
+//! | `SlowNetConfig { grid, out_channels, hidden, layers, omega_0 }` | the slow network (multiplicative filter network, §2.2): `z_i = sin(cA_i + a_i) ⊙ (z_{i-1}B + b) + P` over a `[-1, 1]` grid | reference init: `A ∝ 2π ω0 γ`, `γ ~ Gamma(6/(l+1), 1)`, `b = 1`, shared bias map `P`, Chang-scaled output; ω0 default 2000 |
+//! | [`global_hyperzzw_1d`](crate::hyperzzw::global_hyperzzw_1d) / `_2d`, [`Crop`](crate::hyperzzw::Crop) | eqs. 5–7, `conv(Z, Z ⊙ K)` | decision: FFT with zero padding to a power of two ≥ `2T − 1`, never circular; explicit causal (1D default) or same (2D default) crop |
+//! | [`global_hyperzzw_dot`](crate::hyperzzw::global_hyperzzw_dot) | the 2D reference code's matrix product on square maps | option for parity with the reference |
+//! | [`FftPath`](crate::hyperzzw::FftPath) | — | Burn's FFT on Flex and CubeCL, a matmul DFT elsewhere (NdArray) |
+//! | `LocalHyperZzwConfig { channels, kernel_size, dims, hidden, layers, omega_0 }` | eqs. 8–9: kernels from a pooled, batch-averaged context, s-renorm, depthwise "same" convolution | decision (SPEC 3.3): s-renorm's `a`, `b` learnable and its identity term not detached (the golden gradient agrees); kernel from one tensor may convolve another (MuHKGen) |
+//! | `SfneBlockConfig { in_channels, expansion, geometry, local_kernel_sizes, groups, …_hidden, layers, omega_0, dropout, crop, channel_mixer, hyper_channel, si_glu, hyper_interaction }` | §2.4, Fig. 3: the multi-branch block without residual, bottleneck λ, G-IBS, GELU | the reference's dense cross-block concatenation of earlier outputs is not implemented; branches can be switched off for ablations |
+//! | [`slow_neural_loss`](crate::hyperzzw::slow_neural_loss) | eqs. 11–12 | returned for the user to add |
+//! | `TerminatorConfig { classes, block, expansions }` | the Terminator model | reference λ = 4, 3, 2, 2, 2 |
+//! | `HyperZzwConnectivityConfig { d_model, max_len, local_kernel_sizes, hidden, layers, omega_0, crop }` | decision (SPEC 3.5): HyperZZW fusion of `h_j` and `s_{j-1}` in place of the identity shortcut, for `[B, T, d]` stacks | its `C` holds the additive chain only; local branches are not causal |
+//!
+//! # Transformers and training
+//!
+//! | option | implements | notes |
+//! |---|---|---|
+//! | [`ConnectedEncoder`](crate::transformer::ConnectedEncoder) | SPEC §4: burn-nn encoder layers rewired from their public parts | pre- and post-norm; masks pass through; record paths of `TransformerEncoder` kept |
+//! | [`GroupedAdamConfig`](crate::training::GroupedAdamConfig) | the reference codes' parameter groups | connectivity parameters: no weight decay, own learning rate |
+//! | [`Stack::compress`](crate::Stack::compress) | H-ACN §3.1 auto-compression | smallest depth within a tolerance of the full model on validation scores |

@@ -2,9 +2,9 @@
 //! up to a tolerance (H-ACN paper §3.1: layer-wise accuracy, truncation at inference).
 //!
 //! Score every readout `y_0..y_L` on validation data with your own head and metric (one pass:
-//! [`Stack::readout`] or [`ConnectedEncoder::readout`](crate::transformer::ConnectedEncoder::readout)),
-//! then [`Stack::compress`] picks the depth and returns the truncated model: fewer blocks to run,
-//! saved and loaded as a model of that depth.
+//! [`Stack::readout`] or [`ConnectedEncoder::readout`]),
+//! then [`Stack::compress`] (or [`ConnectedEncoder::compress`]) picks the depth and returns the
+//! truncated model: fewer blocks to run, saved and loaded as a model of that depth.
 //!
 //! ```
 //! use burn::{prelude::*, tensor::Distribution};
@@ -33,6 +33,7 @@ use serde::{Deserialize, Serialize};
 use crate::connectivity::Connectivity;
 use crate::error::{Error, Result, check_finite, check_non_negative};
 use crate::stack::Stack;
+use crate::transformer::ConnectedEncoder;
 
 /// Which way a validation score improves.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -115,6 +116,31 @@ impl<M: Module + ModuleDisplay, C: Connectivity> Stack<M, C> {
     }
 }
 
+impl<C: Connectivity> ConnectedEncoder<C> {
+    /// The smallest encoder whose readout score (`scores[k]` after `k` layers, `k = 0..=L`)
+    /// is within `tolerance` of the full encoder's, and the choice.
+    ///
+    /// # Errors
+    /// As [`DepthChoice::new`], or [`Error::CountMismatch`] unless there are `L + 1` scores.
+    pub fn compress(
+        &self,
+        scores: &[f64],
+        tolerance: f64,
+        objective: Objective,
+    ) -> Result<(DepthChoice, Self)> {
+        if scores.len() != self.num_layers() + 1 {
+            return Err(Error::CountMismatch {
+                name: "readout scores (one per depth 0..=L)",
+                expected: self.num_layers() + 1,
+                found: scores.len(),
+            });
+        }
+        let choice = DepthChoice::new(scores, tolerance, objective)?;
+        let compressed = self.truncated(choice.depth)?;
+        Ok((choice, compressed))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -161,6 +187,35 @@ mod tests {
             model.compress(&scores[..5], 0.01, Objective::Maximize),
             Err(Error::CountMismatch { .. })
         ));
+    }
+
+    #[test]
+    fn the_compressed_encoder_computes_the_chosen_readout() {
+        use burn::nn::transformer::TransformerEncoderConfig;
+        use burn::prelude::*;
+        use burn::tensor::Distribution;
+
+        use crate::hacn::HacnConfig;
+        use crate::transformer::{EncoderMasks, Granularity};
+
+        let device = Device::flex();
+        let layers = TransformerEncoderConfig::new(8, 16, 2, 4)
+            .with_norm_first(true)
+            .init(&device);
+        let model =
+            ConnectedEncoder::new(layers, Granularity::Sublayer, &HacnConfig::new(), &device)
+                .unwrap();
+        let x = Tensor::<3>::random([2, 3, 8], Distribution::Default, &device);
+        let masks = EncoderMasks::causal(2, 3, &device);
+        let readout = model.readout(x.clone(), &masks);
+        let (choice, compressed) = model
+            .compress(&[3.0, 1.5, 1.2, 1.0, 1.0], 0.25, Objective::Minimize)
+            .unwrap();
+        assert_eq!((choice.depth, compressed.num_layers()), (2, 2));
+        compressed
+            .forward(x, &masks)
+            .into_data()
+            .assert_eq(&readout[2].clone().into_data(), true);
     }
 
     #[test]

@@ -103,16 +103,8 @@ impl<M: Module + ModuleDisplay, C: Connectivity> Stack<M, C> {
         tolerance: f64,
         objective: Objective,
     ) -> Result<(DepthChoice, Self)> {
-        if scores.len() != self.num_blocks() + 1 {
-            return Err(Error::CountMismatch {
-                name: "readout scores (one per depth 0..=L)",
-                expected: self.num_blocks() + 1,
-                found: scores.len(),
-            });
-        }
-        let choice = DepthChoice::new(scores, tolerance, objective)?;
-        let compressed = self.truncated(choice.depth)?;
-        Ok((choice, compressed))
+        let choice = choose(scores, self.num_blocks(), tolerance, objective)?;
+        Ok((choice.clone(), self.truncated(choice.depth)?))
     }
 }
 
@@ -128,17 +120,26 @@ impl<C: Connectivity> ConnectedEncoder<C> {
         tolerance: f64,
         objective: Objective,
     ) -> Result<(DepthChoice, Self)> {
-        if scores.len() != self.num_layers() + 1 {
-            return Err(Error::CountMismatch {
-                name: "readout scores (one per depth 0..=L)",
-                expected: self.num_layers() + 1,
-                found: scores.len(),
-            });
-        }
-        let choice = DepthChoice::new(scores, tolerance, objective)?;
-        let compressed = self.truncated(choice.depth)?;
-        Ok((choice, compressed))
+        let choice = choose(scores, self.num_layers(), tolerance, objective)?;
+        Ok((choice.clone(), self.truncated(choice.depth)?))
     }
+}
+
+/// [`DepthChoice::new`] for a model of `depth` blocks, which has `depth + 1` readouts.
+fn choose(
+    scores: &[f64],
+    depth: usize,
+    tolerance: f64,
+    objective: Objective,
+) -> Result<DepthChoice> {
+    if scores.len() != depth + 1 {
+        return Err(Error::CountMismatch {
+            name: "readout scores (one per depth 0..=L)",
+            expected: depth + 1,
+            found: scores.len(),
+        });
+    }
+    DepthChoice::new(scores, tolerance, objective)
 }
 
 #[cfg(test)]

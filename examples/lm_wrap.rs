@@ -203,7 +203,7 @@ fn train<C: StreamConnectivity<3>>(
     let group = connectivity_group(&model.encoder.connectivity);
     let config = GroupedAdamConfig::new().with_learning_rate(settings.lr);
     let (mut optimizer, mut learning_rates) =
-        (config.optimizer(&group), config.learning_rates(&group));
+        config.build(&group).map_err(|err| err.to_string())?;
     let mut starts = Starts(settings.seed);
     let limit = corpus.train.len() - settings.context - 1;
 

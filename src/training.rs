@@ -16,7 +16,7 @@
 //!
 //! let group = connectivity_group(&model.connectivity);
 //! let config = GroupedAdamConfig::new();
-//! let (optimizer, learning_rates) = (config.optimizer(&group), config.learning_rates(&group));
+//! let (optimizer, learning_rates) = config.build(&group)?;
 //! // burn::train::Learner::new(model, optimizer, learning_rates), or by hand:
 //! // model = optimizer.step(learning_rates.step(), model, grads);
 //! # Ok::<(), burn_connectivity::Error>(())
@@ -27,6 +27,8 @@ use burn::optim::lr_scheduler::constant::ConstantLr;
 use burn::optim::lr_scheduler::module_lr_scheduler::ModuleLrScheduler;
 use burn::optim::{AdamConfig, AdamWConfig, ModuleOptimizer};
 use burn::prelude::*;
+
+use crate::error::{Result, check_non_negative};
 
 /// The parameters of `connectivity` (any module: a connectivity, or several parts of a model
 /// gathered in a tuple), matched by parameter id: the group survives optimiser steps, moves
@@ -51,21 +53,30 @@ pub struct GroupedAdamConfig {
 }
 
 impl GroupedAdamConfig {
-    /// The optimiser: AdamW for every parameter, overridden by Adam (no decay) on `group`.
-    pub fn optimizer(&self, group: &ParamGroup) -> ModuleOptimizer {
-        AdamWConfig::new()
+    /// The optimiser (AdamW for every parameter, overridden by Adam without decay on `group`)
+    /// and constant learning rates (`learning_rate`, `connectivity_learning_rate` on `group`).
+    /// Wrap your own schedulers with [`ModuleLrScheduler::with_group`] the same way.
+    ///
+    /// # Errors
+    /// [`Error::NonFinite`] or [`Error::OutOfRange`] for a learning rate or weight decay that is
+    /// not a finite non-negative number.
+    pub fn build(&self, group: &ParamGroup) -> Result<(ModuleOptimizer, ModuleLrScheduler)> {
+        check_non_negative("learning rate", self.learning_rate)?;
+        check_non_negative("weight decay", self.weight_decay)?;
+        check_non_negative(
+            "connectivity learning rate",
+            self.connectivity_learning_rate,
+        )?;
+        let optimizer = AdamWConfig::new()
             .with_weight_decay(self.weight_decay as f32)
             .init()
-            .with_group(group.clone(), AdamConfig::new().build(), None)
-    }
-
-    /// Constant learning rates: `learning_rate` for the weights, `connectivity_learning_rate`
-    /// on `group`. Wrap your own schedulers with [`ModuleLrScheduler::with_group`] the same way.
-    pub fn learning_rates(&self, group: &ParamGroup) -> ModuleLrScheduler {
-        ModuleLrScheduler::new(ConstantLr::new(self.learning_rate)).with_group(
-            group.clone(),
-            ConstantLr::new(self.connectivity_learning_rate),
-        )
+            .with_group(group.clone(), AdamConfig::new().build(), None);
+        let learning_rates = ModuleLrScheduler::new(ConstantLr::new(self.learning_rate))
+            .with_group(
+                group.clone(),
+                ConstantLr::new(self.connectivity_learning_rate),
+            );
+        Ok((optimizer, learning_rates))
     }
 }
 
@@ -101,8 +112,7 @@ mod tests {
         let loss = (model.weights.val().sum() + model.connectivity.gates.val().sum()) * slope;
         let grads = GradientsParams::from_grads(loss.backward(), &model);
         let group = connectivity_group(&model.connectivity);
-        let mut optimizer = config.optimizer(&group);
-        let mut learning_rates = config.learning_rates(&group);
+        let (mut optimizer, mut learning_rates) = config.build(&group).unwrap();
         let model = optimizer.step(learning_rates.step(), model, grads);
         (values(&model.weights), values(&model.connectivity.gates))
     }
@@ -117,6 +127,21 @@ mod tests {
             assert!((w - (1.0 - 0.1 * 0.5)).abs() < 1e-6, "decayed weight {w}");
         }
         assert_eq!(gates, vec![1.0; 3]);
+    }
+
+    #[test]
+    fn invalid_settings_are_errors() {
+        let group = ParamGroup::all();
+        let negative = GroupedAdamConfig::new().with_learning_rate(-1.0);
+        assert!(matches!(
+            negative.build(&group),
+            Err(crate::Error::OutOfRange { .. })
+        ));
+        let nan = GroupedAdamConfig::new().with_connectivity_learning_rate(f64::NAN);
+        assert!(matches!(
+            nan.build(&group),
+            Err(crate::Error::NonFinite { .. })
+        ));
     }
 
     #[test]

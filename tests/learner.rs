@@ -171,11 +171,8 @@ fn train(
     let before = valid_loss(&model);
 
     let group = connectivity_group(&model.encoder.connectivity);
-    let learner = Learner::new(
-        model.clone(),
-        config.optimizer(&group),
-        config.learning_rates(&group),
-    );
+    let (optimizer, learning_rates) = config.build(&group).unwrap();
+    let learner = Learner::new(model.clone(), optimizer, learning_rates);
     let directory = std::env::temp_dir().join(format!(
         "burn-connectivity-learner-{}-{:?}",
         std::process::id(),

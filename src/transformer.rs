@@ -288,13 +288,11 @@ impl<C: StreamConnectivity<3>> ConnectedEncoder<C> {
     /// The readouts after `0, 1, …, L` layers (what [`truncated`](Self::truncated) models
     /// compute), from one pass.
     pub fn readout(&self, input: Tensor<3>, masks: &EncoderMasks) -> Vec<Tensor<3>> {
-        let mut readouts = vec![
-            self.connectivity
-                .output(&self.connectivity.start(input.clone())),
-        ];
-        self.run_layers(input, self.num_layers(), masks, |state| {
+        let mut readouts = Vec::with_capacity(self.num_layers() + 1);
+        let state = self.run_layers(input, self.num_layers(), masks, |state| {
             readouts.push(self.connectivity.output(state));
         });
+        readouts.push(self.connectivity.output(&state));
         readouts
     }
 
@@ -307,17 +305,18 @@ impl<C: StreamConnectivity<3>> ConnectedEncoder<C> {
         Ok(self.run_layers(input, layers, masks, |_| {}))
     }
 
+    /// Runs the first `layers` layers, calling `before_layer` with the state before each.
     fn run_layers(
         &self,
         input: Tensor<3>,
         layers: usize,
         masks: &EncoderMasks,
-        mut after_layer: impl FnMut(&C::State),
+        mut before_layer: impl FnMut(&C::State),
     ) -> C::State {
         let mut state = self.connectivity.start(input);
         for index in 0..layers {
+            before_layer(&state);
             state = self.layer(state, index, masks);
-            after_layer(&state);
         }
         state
     }

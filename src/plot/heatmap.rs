@@ -229,7 +229,8 @@ impl Heatmap {
         let annotate = rows * columns <= 144;
         for (i, row) in self.values.iter().enumerate() {
             for (j, &value) in row.iter().enumerate() {
-                let colour = self.scale_position(value, range).map_or(BLANK, viridis);
+                let position = self.scale_position(value, range);
+                let colour = position.map_or(BLANK, viridis);
                 let (x, y) = (j as f64, i as f64);
                 chart
                     .draw_series(std::iter::once(Rectangle::new(
@@ -238,7 +239,7 @@ impl Heatmap {
                     )))
                     .map_err(plot_error)?;
                 if annotate && value.is_finite() {
-                    let light = self.scale_position(value, range).is_some_and(|t| t < 0.6);
+                    let light = position.is_some_and(|t| t < 0.6);
                     let ink = if light { WHITE } else { BLACK };
                     let style = TextStyle::from((FONT, 12).into_font()).color(&ink).pos(
                         plotters::style::text_anchor::Pos::new(

@@ -71,64 +71,79 @@ fn main() -> Result<(), String> {
     let name = args.get("device", String::from("wgpu"))?;
     let device = burn_connectivity::backend::device(&name).map_err(|err| err.to_string())?;
     let depth = args.get("depth", 4usize)?;
-    let input = stack_input(&device);
+    let tracked = device.clone().autodiff();
 
-    println!("forward pass of {depth} pre-LN MLP blocks on [8, {LENGTH}, {WIDTH}] ({name}):");
-    let mut baseline = None;
-    for variant in [Variant::Residual, Variant::Hacn, Variant::Ancre] {
-        let model = Model::new(variant, depth, &device);
-        let kernels = count(&device, || model.forward(input.clone()));
-        let base = *baseline.get_or_insert(kernels);
+    for (mode, device) in [("inference", &device), ("under autodiff", &tracked)] {
         println!(
-            "  {:>9}: {kernels:>4} kernels ({:+.2} per block vs residual)",
-            variant.name(),
-            (kernels as f64 - base as f64) / depth as f64
+            "forward pass of {depth} pre-LN MLP blocks on [8, {LENGTH}, {WIDTH}] ({name}, {mode}):"
         );
+        let input = stack_input(device);
+        let mut baseline = None;
+        for variant in [Variant::Residual, Variant::Hacn, Variant::Ancre] {
+            let model = Model::new(variant, depth, device);
+            let kernels = count(device, || model.forward(input.clone()));
+            let base = *baseline.get_or_insert(kernels);
+            println!(
+                "  {:>9}: {kernels:>4} kernels ({:+.2} per block vs residual)",
+                variant.name(),
+                (kernels as f64 - base as f64) / depth as f64
+            );
+        }
     }
 
     println!("one connectivity step on its own (block 2 of {depth}):");
-    let (sum, branch, previous) = (stream(&device), stream(&device), stream(&device));
-    let hacn = HacnConfig::new()
-        .init(depth, &device)
-        .map_err(|err| err.to_string())?;
-    let state = hacn.start(previous.clone());
-    let kernels = count(&device, || {
-        let next = hacn.step(state.clone(), 1, branch.clone());
-        (next.stream, next.sum)
-    });
-    println!("  H-ACN step (acc += h; s = h + a s), crate formulation: {kernels} kernel(s)");
-    let gate = hacn.gates.val().narrow(0, 1, 1).reshape([1, 1, 1]);
-    let kernels = count(&device, || {
-        (
-            sum.clone() + branch.clone(),
-            branch.clone() + previous.clone() * gate.clone(),
-        )
-    });
-    println!("  H-ACN step with a ready gate tensor (lower bound): {kernels} kernel(s)");
+    for (mode, device) in [("inference", &device), ("under autodiff", &tracked)] {
+        let (branch, previous) = (stream(device), stream(device));
+        let hacn = HacnConfig::new()
+            .init(depth, device)
+            .map_err(|err| err.to_string())?;
+        let state = hacn.start(previous.clone());
+        let kernels = count(device, || {
+            let next = hacn.step(state.clone(), 1, branch.clone());
+            (next.stream, next.sum)
+        });
+        println!("  H-ACN step (acc += h; s = h + a s), {mode}: {kernels} kernel(s)");
+        let ancre = AncreConfig::new()
+            .init(depth, device)
+            .map_err(|err| err.to_string())?;
+        let start = ancre.start(previous);
+        let kernels = count(device, || ancre.step(start.clone(), 0, branch.clone()));
+        println!(
+            "  ANCRe step (s_1 = h_1 + mixture, then {} pending mixtures += p s_1), {mode}: {kernels} kernel(s)",
+            depth - 1
+        );
+    }
 
-    let ancre = AncreConfig::new()
-        .init(depth, &device)
-        .map_err(|err| err.to_string())?;
-    let start = ancre.start(previous.clone());
-    let kernels = count(&device, || ancre.step(start.clone(), 0, branch.clone()));
-    println!(
-        "  ANCRe step (s_1 = h_1 + mixture, then {} pending mixtures += p s_1), crate formulation: {kernels} kernel(s)",
-        depth - 1
-    );
-    let states: Vec<Tensor<3>> = (0..depth).map(|_| stream(&device)).collect();
+    println!("formulations of a scaled add s + p_i h with p_i an entry of a parameter tensor:");
+    let (sum, branch) = (stream(&device), stream(&device));
     let weights = Tensor::<1>::random([depth], Distribution::Default, &device);
+    let position = || Tensor::<1, Int>::from_data([1], &device);
     let kernels = count(&device, || {
-        states
-            .iter()
-            .enumerate()
-            .map(|(i, s)| s.clone() * weights.clone().narrow(0, i, 1).reshape([1, 1, 1]))
-            .reduce(|a, b| a + b)
+        sum.clone() + branch.clone() * weights.clone().narrow(0, 1, 1).reshape([1, 1, 1])
     });
-    println!("  ANCRe mixture of {depth} states as a chain of scaled adds: {kernels} kernel(s)");
+    println!("  slice: {kernels} kernel(s)");
     let kernels = count(&device, || {
-        (Tensor::stack::<4>(states.clone(), 0) * weights.clone().reshape([depth, 1, 1, 1]))
-            .sum_dim(0)
+        sum.clone() + branch.clone() * weights.clone().select(0, position()).reshape([1, 1, 1])
     });
-    println!("  ANCRe mixture of {depth} states as a stacked reduction: {kernels} kernel(s)");
+    println!("  select (the crate's formulation under autodiff): {kernels} kernel(s)");
+    let gathered = |device: &Device| {
+        let weights = Tensor::<1>::from_data(weights.to_data(), device);
+        let (sum, branch) = (
+            Tensor::<3>::from_data(sum.to_data(), device),
+            Tensor::<3>::from_data(branch.to_data(), device),
+        );
+        let position = Tensor::<3, Int>::from_data(TensorData::new(vec![1i64], [1, 1, 1]), device);
+        sum + branch * weights.reshape([depth, 1, 1]).gather(0, position)
+    };
+    let kernels = count(&device, || gathered(&device));
+    let error = (gathered(&device) - gathered(&Device::flex()).to_device(&device))
+        .abs()
+        .max()
+        .into_scalar::<f32>();
+    println!(
+        "  gather: {kernels} kernel(s), but max |error| vs Flex = {error:.3} (fusion reads the gathered tensor at the output's coordinates)"
+    );
+    let kernels = count(&device, || sum.clone() + branch.clone() * 0.5);
+    println!("  host scalar (the crate's formulation without a gradient): {kernels} kernel(s)");
     Ok(())
 }

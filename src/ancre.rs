@@ -17,6 +17,9 @@
 //!
 //! The mixture is accumulated progressively: as soon as `s_i` exists, `p_ij s_i` is added to
 //! the pending sum of every later target `j`; no `[j, batch, …]` history is ever stacked.
+//! When no gradient flows to the logits (inference) a forward pass reads `p` back to the host
+//! once, so that a step is one fused kernel on CubeCL backends (README, "Kernels per block on
+//! CubeCL").
 //!
 //! In branch outputs, `coef(s_j) = e_j + Σ_{i<j} p_ij coef(s_i)`, so `C[:, j] = coef(s_{j-1})`
 //! and `out = coef(s_K)`.
@@ -26,7 +29,7 @@ use burn::prelude::*;
 use burn::tensor::activation::softmax;
 
 use crate::connectivity::{
-    Connectivity, ConnectivityConfig, StreamConnectivity, broadcast_entry, leading_part,
+    Connectivity, ConnectivityConfig, Scales, StreamConnectivity, leading_part,
 };
 use crate::error::{Error, Result, check_depth, check_finite, check_positive};
 use crate::matrix::ConnectivityMatrix;
@@ -162,7 +165,7 @@ pub struct AncreState<const D: usize> {
     /// `Σ_{i<=j} p_it s_i` for the targets `t = j+1..=K`, in order.
     pending: Vec<Tensor<D>>,
     /// The coefficients `p`, computed once per forward pass, flattened row-major.
-    coefficients: Tensor<1>,
+    coefficients: Scales,
     /// Side of the coefficient matrix.
     size: usize,
 }
@@ -313,16 +316,19 @@ impl<const D: usize> StreamConnectivity<D> for Ancre {
     fn start(&self, input: Tensor<D>) -> AncreState<D> {
         let coefficients = self.coefficients();
         let size = coefficients.dims()[0];
-        let mut state = AncreState {
-            stream: input,
-            pending: Vec::new(),
-            coefficients: coefficients.reshape([size * size]),
-            size,
-        };
-        state.pending = (1..=self.num_blocks)
-            .map(|target| state.scaled(0, target, state.stream.clone()))
+        let coefficients = Scales::new(
+            coefficients.reshape([size * size]),
+            self.logits.val().is_require_grad(),
+        );
+        let pending = (1..=self.num_blocks)
+            .map(|target| coefficients.scale(target, input.clone()))
             .collect();
-        state
+        AncreState {
+            stream: input,
+            pending,
+            coefficients,
+            size,
+        }
     }
 
     fn block_input(&self, state: &AncreState<D>) -> Tensor<D> {
@@ -345,7 +351,9 @@ impl<const D: usize> StreamConnectivity<D> for Ancre {
         state.pending = pending
             .enumerate()
             .map(|(offset, sum)| {
-                sum + state.scaled(source, source + 1 + offset, state.stream.clone())
+                let target = source + 1 + offset;
+                let entry = source * state.size + target;
+                sum + state.coefficients.scale(entry, state.stream.clone())
             })
             .collect();
         state
@@ -353,13 +361,6 @@ impl<const D: usize> StreamConnectivity<D> for Ancre {
 
     fn output(&self, state: &AncreState<D>) -> Tensor<D> {
         state.stream.clone()
-    }
-}
-
-impl<const D: usize> AncreState<D> {
-    /// `p[source][target] · value`.
-    fn scaled(&self, source: usize, target: usize, value: Tensor<D>) -> Tensor<D> {
-        value * broadcast_entry(&self.coefficients, source * self.size + target)
     }
 }
 

@@ -118,13 +118,46 @@ pub(crate) fn leading_part<const D: usize>(
     })
 }
 
-/// Entry `index` of `values`, shaped to broadcast over rank-`D` tensors.
+/// The scalars a connectivity multiplies its streams by (gates, coefficients), fetched once
+/// per forward pass.
 ///
-/// A `select` rather than a slice: on CubeCL backends a slice is a kernel of its own, a
-/// `select` joins the fused elementwise kernels (see the `kernel_counts` example).
-pub(crate) fn broadcast_entry<const D: usize>(values: &Tensor<1>, index: usize) -> Tensor<D> {
-    let position = Tensor::<1, Int>::from_data([index as i64], &values.device());
-    values.clone().select(0, position).reshape([1usize; D])
+/// When no gradient flows to them (inference, frozen parameters) they are read back to the
+/// host once: a multiplication by a host scalar joins the fused elementwise kernel of a step on
+/// CubeCL backends, so a step costs one kernel. Under a gradient each use is a `select` of the
+/// entry, a kernel of its own on CubeCL backends; the formulation that fusion would absorb, a
+/// `gather` with a broadcast output, gives wrong values in burn-cubecl-fusion 0.22.1 (it reads
+/// the gathered tensor at the output's coordinates instead of broadcasting them), see the
+/// `kernel_counts` example.
+#[derive(Debug, Clone)]
+pub(crate) enum Scales {
+    /// Values read back from the device.
+    Host(Vec<f64>),
+    /// The differentiable values (boxed: a tensor handle is much larger than a `Vec`).
+    Tracked(Box<Tensor<1>>),
+}
+
+impl Scales {
+    /// `tracked`: whether a gradient flows to `values`, i.e. whether the parameters they are
+    /// computed from require one (a computed tensor does not report it itself).
+    pub(crate) fn new(values: Tensor<1>, tracked: bool) -> Self {
+        if tracked {
+            Self::Tracked(Box::new(values))
+        } else {
+            Self::Host(values.into_data().iter::<f64>().collect())
+        }
+    }
+
+    /// `values[index] · value`.
+    pub(crate) fn scale<const D: usize>(&self, index: usize, value: Tensor<D>) -> Tensor<D> {
+        match self {
+            Self::Host(values) => value * values[index],
+            Self::Tracked(values) => {
+                let position = Tensor::<1, Int>::from_data([index as i64], &values.device());
+                let entry = values.as_ref().clone().select(0, position);
+                value * entry.reshape([1usize; D])
+            }
+        }
+    }
 }
 
 /// Computes `C` and the output column by running the connectivity's own recursion on basis

@@ -13,13 +13,17 @@
 //! H-ACN. Only the running stream and the running sum are kept: O(1) extra tensors whatever
 //! the depth. The direct connectivity is `C[i][j] = Π_{l=i+1}^{j-1} a_l` (H-ACN paper eq. 4)
 //! and `out[i] = 1`; the total connectivity strength is `Γ = ‖a‖₂ / √L`.
+//!
+//! When no gradient flows to the gates (inference, frozen gates) a forward pass reads them back
+//! to the host once, so that a step is one fused kernel on CubeCL backends (README, "Kernels
+//! per block on CubeCL").
 
 use burn::module::Param;
 use burn::prelude::*;
 use burn::tensor::Distribution;
 
 use crate::connectivity::{
-    Connectivity, ConnectivityConfig, StreamConnectivity, broadcast_entry, leading_part,
+    Connectivity, ConnectivityConfig, Scales, StreamConnectivity, leading_part,
 };
 use crate::error::{Error, Result, check_depth, check_finite, check_non_negative, check_positive};
 use crate::matrix::ConnectivityMatrix;
@@ -201,6 +205,8 @@ pub struct HacnState<const D: usize> {
     pub stream: Tensor<D>,
     /// The long output sum `y_j = Σ_{i≤j} h_i`.
     pub sum: Tensor<D>,
+    /// The gates, fetched once per pass.
+    gates: Scales,
 }
 
 impl Hacn {
@@ -214,11 +220,6 @@ impl Hacn {
         let gates = self.gate_values();
         let squares: f64 = gates.iter().map(|a| a * a).sum();
         (squares / gates.len() as f64).sqrt()
-    }
-
-    /// Gate `a_{block+1}` shaped to broadcast over rank-`D` streams.
-    fn gate<const D: usize>(&self, block: usize) -> Tensor<D> {
-        broadcast_entry(&self.gates.val(), block)
     }
 }
 
@@ -263,6 +264,7 @@ impl<const D: usize> StreamConnectivity<D> for Hacn {
         HacnState {
             stream: input.clone(),
             sum: input,
+            gates: Scales::new(self.gates.val(), self.gates.val().is_require_grad()),
         }
     }
 
@@ -273,8 +275,9 @@ impl<const D: usize> StreamConnectivity<D> for Hacn {
     /// Exactly `sum += h`, `s = h + a s` (the tailed version would compute `sum += (h + a s) - a s`).
     fn step(&self, state: HacnState<D>, block: usize, branch: Tensor<D>) -> HacnState<D> {
         HacnState {
-            sum: state.sum + branch.clone(),
-            stream: branch + state.stream * self.gate::<D>(block),
+            stream: branch.clone() + state.gates.scale(block, state.stream),
+            sum: state.sum + branch,
+            gates: state.gates,
         }
     }
 
@@ -285,11 +288,12 @@ impl<const D: usize> StreamConnectivity<D> for Hacn {
         branch: Tensor<D>,
         tail: impl FnOnce(Tensor<D>) -> Tensor<D>,
     ) -> HacnState<D> {
-        let carried = state.stream * self.gate::<D>(block);
+        let carried = state.gates.scale(block, state.stream);
         let stream = tail(branch + carried.clone());
         HacnState {
             sum: state.sum + (stream.clone() - carried),
             stream,
+            gates: state.gates,
         }
     }
 

@@ -58,8 +58,9 @@ impl GroupedAdamConfig {
     /// Wrap your own schedulers with [`ModuleLrScheduler::with_group`] the same way.
     ///
     /// # Errors
-    /// [`Error::NonFinite`] or [`Error::OutOfRange`] for a learning rate or weight decay that is
-    /// not a finite non-negative number.
+    /// [`Error::NonFinite`](crate::Error::NonFinite) or
+    /// [`Error::OutOfRange`](crate::Error::OutOfRange) for a learning rate or weight decay that
+    /// is not a finite non-negative number.
     pub fn build(&self, group: &ParamGroup) -> Result<(ModuleOptimizer, ModuleLrScheduler)> {
         check_non_negative("learning rate", self.learning_rate)?;
         check_non_negative("weight decay", self.weight_decay)?;

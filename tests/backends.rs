@@ -97,8 +97,25 @@ fn readouts_and_gradients<M: Module>(
     (values, parameter_gradients(model, &grads))
 }
 
+/// The readouts of `model` without autodiff: gates and coefficients are then host scalars
+/// (the fused formulation on CubeCL backends) rather than tensor entries.
+fn inference_readouts<M: Module>(
+    model: &M,
+    readout: &impl Fn(&M, Tensor<3>) -> Vec<Tensor<3>>,
+    input: &Tensor<3>,
+) -> Vec<TensorData> {
+    let model = model.valid();
+    let device = model.devices()[0].clone();
+    let input = Tensor::<3>::from_data(input.to_data(), &device);
+    readout(&model, input)
+        .into_iter()
+        .map(Tensor::into_data)
+        .collect()
+}
+
 /// Builds a model on Flex, copies its weights to every other backend, and checks that values
-/// agree to 1e-5 and gradients to 1e-4 (absolute or relative to their size).
+/// agree to 1e-5, with and without autodiff, and gradients to 1e-4 (absolute or relative to
+/// their size).
 fn assert_backends_agree<M: Module>(
     build: impl Fn(&Device) -> M,
     readout: impl Fn(&M, Tensor<3>) -> Vec<Tensor<3>>,
@@ -109,11 +126,20 @@ fn assert_backends_agree<M: Module>(
     let probe = Tensor::<3>::random([2, 5, 8], Distribution::Normal(0.0, 1.0), &flex);
     let (values, gradients) = readouts_and_gradients(&reference, &readout, &input, &probe);
     assert!(!gradients.is_empty());
+    let assert_inference_agrees = |model: &M, name: &str| {
+        let inference = inference_readouts(model, &readout, &input);
+        assert_eq!(inference.len(), values.len(), "readouts on {name}");
+        for (value, other) in values.iter().zip(&inference) {
+            other.assert_approx_eq::<f32>(value, Tolerance::absolute(1e-5));
+        }
+    };
+    assert_inference_agrees(&reference, "flex");
     for (name, device) in other_backends() {
         let model = reload_module(&reference, build(&device.autodiff()));
         let (other_values, other_gradients) =
             readouts_and_gradients(&model, &readout, &input, &probe);
         eprintln!("comparing flex with {name}");
+        assert_inference_agrees(&model, name);
         for (value, other) in values.iter().zip(&other_values) {
             other.assert_approx_eq::<f32>(value, Tolerance::absolute(1e-5));
         }

@@ -126,20 +126,25 @@ fn main() -> Result<(), String> {
         sum.clone() + branch.clone() * weights.clone().select(0, position()).reshape([1, 1, 1])
     });
     println!("  select (the crate's formulation under autodiff): {kernels} kernel(s)");
-    let gathered = |device: &Device| {
-        let weights = Tensor::<1>::from_data(weights.to_data(), device);
-        let (sum, branch) = (
-            Tensor::<3>::from_data(sum.to_data(), device),
-            Tensor::<3>::from_data(branch.to_data(), device),
-        );
-        let position = Tensor::<3, Int>::from_data(TensorData::new(vec![1i64], [1, 1, 1]), device);
+    let gathered = |sum: Tensor<3>, branch: Tensor<3>, weights: Tensor<1>| {
+        let position =
+            Tensor::<3, Int>::from_data(TensorData::new(vec![1i64], [1, 1, 1]), &weights.device());
         sum + branch * weights.reshape([depth, 1, 1]).gather(0, position)
     };
-    let kernels = count(&device, || gathered(&device));
-    let error = (gathered(&device) - gathered(&Device::flex()).to_device(&device))
-        .abs()
-        .max()
-        .into_scalar::<f32>();
+    let kernels = count(&device, || {
+        gathered(sum.clone(), branch.clone(), weights.clone())
+    });
+    let flex = Device::flex();
+    let reference = gathered(
+        sum.clone().to_device(&flex),
+        branch.clone().to_device(&flex),
+        weights.clone().to_device(&flex),
+    );
+    let error = (gathered(sum.clone(), branch.clone(), weights.clone())
+        - reference.to_device(&device))
+    .abs()
+    .max()
+    .into_scalar::<f32>();
     println!(
         "  gather: {kernels} kernel(s), but max |error| vs Flex = {error:.3} (fusion reads the gathered tensor at the output's coordinates)"
     );

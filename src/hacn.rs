@@ -261,10 +261,12 @@ impl<const D: usize> StreamConnectivity<D> for Hacn {
     type State = HacnState<D>;
 
     fn start(&self, input: Tensor<D>) -> HacnState<D> {
+        let gates = self.gates.val();
+        let tracked = gates.is_require_grad();
         HacnState {
             stream: input.clone(),
             sum: input,
-            gates: Scales::new(self.gates.val(), self.gates.val().is_require_grad()),
+            gates: Scales::new(gates, tracked),
         }
     }
 

@@ -319,6 +319,7 @@ impl<const D: usize> StreamConnectivity<D> for Ancre {
         let coefficients = Scales::new(
             coefficients.reshape([size * size]),
             self.logits.val().is_require_grad(),
+            input.dims()[D - 1],
         );
         let pending = (1..=self.num_blocks)
             .map(|target| coefficients.scale(target, input.clone()))

@@ -88,21 +88,36 @@ pub(crate) fn is_flex(device: &Device) -> bool {
     }
 }
 
+/// Whether `device` (or the device under its autodiff layer) runs on CubeCL (wgpu, vulkan,
+/// metal, cuda), where Burn's fusion engine merges elementwise operations into kernels.
+pub(crate) fn is_cube(device: &Device) -> bool {
+    #[cfg(any(
+        feature = "wgpu",
+        feature = "vulkan",
+        feature = "metal",
+        feature = "cuda"
+    ))]
+    {
+        matches!(
+            device.clone().without_autodiff().as_dispatch(),
+            burn::backend::DispatchDevice::Cube(_)
+        )
+    }
+    #[cfg(not(any(
+        feature = "wgpu",
+        feature = "vulkan",
+        feature = "metal",
+        feature = "cuda"
+    )))]
+    {
+        let _ = device;
+        false
+    }
+}
+
 /// Whether `device` has Burn's native FFT kernels (Flex and the CubeCL backends).
 pub(crate) fn has_native_fft(device: &Device) -> bool {
-    use burn::backend::DispatchDevice;
-    match device.clone().without_autodiff().as_dispatch() {
-        #[cfg(feature = "flex")]
-        DispatchDevice::Flex(_) => true,
-        #[cfg(any(
-            feature = "wgpu",
-            feature = "vulkan",
-            feature = "metal",
-            feature = "cuda"
-        ))]
-        DispatchDevice::Cube(_) => true,
-        _ => false,
-    }
+    is_flex(device) || is_cube(device)
 }
 
 #[cfg(test)]
@@ -116,15 +131,19 @@ mod tests {
     }
 
     #[test]
-    fn flex_is_recognised_under_autodiff() {
+    fn backends_are_recognised_under_autodiff() {
         assert!(is_flex(&Device::flex().autodiff()));
         assert!(has_native_fft(&Device::flex().autodiff()));
+        assert!(!is_cube(&Device::flex().autodiff()));
         #[cfg(feature = "ndarray")]
         {
             let ndarray = device("ndarray").unwrap().autodiff();
             assert!(!is_flex(&ndarray));
             assert!(!has_native_fft(&ndarray));
+            assert!(!is_cube(&ndarray));
         }
+        #[cfg(feature = "wgpu")]
+        assert!(is_cube(&device("wgpu").unwrap().autodiff()));
     }
 
     #[test]

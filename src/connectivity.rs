@@ -17,6 +17,7 @@
 use burn::module::{ModuleDisplay, Param};
 use burn::prelude::*;
 
+use crate::backend::is_cube;
 use crate::error::Result;
 use crate::matrix::ConnectivityMatrix;
 
@@ -118,33 +119,54 @@ pub(crate) fn leading_part<const D: usize>(
     })
 }
 
+/// Tracked scales become table rows on CubeCL backends when a row of the stream's width spans
+/// a multiple of this many bytes: the buffer offset alignment of every CubeCL runtime (256 on
+/// wgpu, 512 on CUDA), so that each row is a view of the table rather than a copy.
+const ALIGNED_ROW_BYTES: usize = 512;
+
 /// The scalars a connectivity multiplies its streams by (gates, coefficients), fetched once
 /// per forward pass.
 ///
-/// When no gradient flows to them (inference, frozen parameters) they are read back to the
-/// host once: a multiplication by a host scalar joins the fused elementwise kernel of a step on
-/// CubeCL backends, so a step costs one kernel. Under a gradient each use is a `select` of the
-/// entry, a kernel of its own on CubeCL backends; the formulation that fusion would absorb, a
-/// `gather` with a broadcast output, gives wrong values in burn-cubecl-fusion 0.22.1 (it reads
-/// the gathered tensor at the output's coordinates instead of broadcasting them), see the
-/// `kernel_counts` example.
+/// The goal is one kernel per connectivity step on CubeCL backends, where fusion merges the
+/// step's multiplications and additions into one kernel, provided that taking a scalar does
+/// not launch a kernel of its own:
+/// - no gradient flows to them (inference, frozen parameters): they are read back to the host
+///   once, and a multiplication by a host scalar is a kernel argument;
+/// - under a gradient on CubeCL, with streams whose last axis spans a multiple of
+///   [`ALIGNED_ROW_BYTES`]: value `i` is repeated along row `i` of a `[count, width]` table (one
+///   kernel per pass), each row is taken once per pass as a view, and a stream is multiplied by
+///   its row broadcast over the leading axes;
+/// - under a gradient otherwise: each use selects its entry, a kernel of its own on CubeCL.
+///
+/// A slice at an unaligned offset is also a copy kernel, and the formulation that fusion would
+/// absorb, a `gather` with a broadcast output, gives wrong values in burn-cubecl-fusion 0.22.1
+/// (see the `kernel_counts` example).
 #[derive(Debug, Clone)]
 pub(crate) enum Scales {
     /// Values read back from the device.
     Host(Vec<f64>),
     /// The differentiable values (boxed: a tensor handle is much larger than a `Vec`).
     Tracked(Box<Tensor<1>>),
+    /// The differentiable values, value `i` repeated along `rows[i]` (`[1, width]`).
+    Rows(Vec<Tensor<2>>),
 }
 
 impl Scales {
     /// `tracked`: whether a gradient flows to `values`, i.e. whether the parameters they are
     /// computed from require one (a computed tensor does not report it itself).
-    pub(crate) fn new(values: Tensor<1>, tracked: bool) -> Self {
-        if tracked {
-            Self::Tracked(Box::new(values))
-        } else {
-            Self::Host(values.into_data().iter::<f64>().collect())
+    /// `width`: the size of the last axis of the streams they will scale.
+    pub(crate) fn new(values: Tensor<1>, tracked: bool, width: usize) -> Self {
+        if !tracked {
+            return Self::Host(values.into_data().iter::<f64>().collect());
         }
+        let row_bytes = width * values.dtype().size();
+        if !is_cube(&values.device()) || !row_bytes.is_multiple_of(ALIGNED_ROW_BYTES) {
+            return Self::Tracked(Box::new(values));
+        }
+        let count = values.dims()[0];
+        // The product materialises the table: rows of a broadcast view would not be aligned.
+        let table = values.reshape([count, 1]).expand([count, width]) * 1.0;
+        Self::Rows(table.chunk(count, 0))
     }
 
     /// `values[index] · value`.
@@ -155,6 +177,12 @@ impl Scales {
                 let position = Tensor::<1, Int>::from_data([index as i64], &values.device());
                 let entry = values.as_ref().clone().select(0, position);
                 value * entry.reshape([1usize; D])
+            }
+            Self::Rows(rows) => {
+                let row = rows[index].clone();
+                let mut dims = [1usize; D];
+                dims[D - 1] = row.dims()[1];
+                value * row.reshape(dims)
             }
         }
     }

@@ -263,10 +263,11 @@ impl<const D: usize> StreamConnectivity<D> for Hacn {
     fn start(&self, input: Tensor<D>) -> HacnState<D> {
         let gates = self.gates.val();
         let tracked = gates.is_require_grad();
+        let width = input.dims()[D - 1];
         HacnState {
             stream: input.clone(),
             sum: input,
-            gates: Scales::new(gates, tracked),
+            gates: Scales::new(gates, tracked, width),
         }
     }
 

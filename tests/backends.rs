@@ -15,13 +15,27 @@ use burn_connectivity::{
 };
 
 const BLOCKS: usize = 6;
+/// The stream width of most models here.
+const WIDTH: usize = 8;
+/// A stream width whose rows span 512 bytes: on CubeCL backends, gates and coefficients with a
+/// gradient are then rows of an aligned table rather than selected entries (two code paths).
+const ALIGNED_WIDTH: usize = 128;
 
 fn stack<C: ConnectivityConfig>(
     config: &C,
     blocks: usize,
     device: &Device,
 ) -> Stack<MlpBlock, C::Connectivity> {
-    let blocks = MlpBlockConfig::new(8, 16)
+    stack_of_width(config, blocks, WIDTH, device)
+}
+
+fn stack_of_width<C: ConnectivityConfig>(
+    config: &C,
+    blocks: usize,
+    width: usize,
+    device: &Device,
+) -> Stack<MlpBlock, C::Connectivity> {
+    let blocks = MlpBlockConfig::new(width, 2 * width)
         .with_depth_ln(true)
         .init_stack(blocks, device)
         .unwrap();
@@ -115,15 +129,16 @@ fn inference_readouts<M: Module>(
 
 /// Builds a model on Flex, copies its weights to every other backend, and checks that values
 /// agree to 1e-5, with and without autodiff, and gradients to 1e-4 (absolute or relative to
-/// their size).
+/// their size), on inputs `[2, 5, width]`.
 fn assert_backends_agree<M: Module>(
     build: impl Fn(&Device) -> M,
     readout: impl Fn(&M, Tensor<3>) -> Vec<Tensor<3>>,
+    width: usize,
 ) {
     let flex = Device::flex().autodiff();
     let reference = build(&flex);
-    let input = Tensor::<3>::random([2, 5, 8], Distribution::Normal(0.0, 1.0), &flex);
-    let probe = Tensor::<3>::random([2, 5, 8], Distribution::Normal(0.0, 1.0), &flex);
+    let input = Tensor::<3>::random([2, 5, width], Distribution::Normal(0.0, 1.0), &flex);
+    let probe = Tensor::<3>::random([2, 5, width], Distribution::Normal(0.0, 1.0), &flex);
     let (values, gradients) = readouts_and_gradients(&reference, &readout, &input, &probe);
     assert!(!gradients.is_empty());
     let assert_values_agree = |found: &[TensorData], name: &str| {
@@ -157,13 +172,20 @@ fn assert_backends_agree<M: Module>(
     }
 }
 
-/// Every readout of a stack of MLP blocks, and its connectivity matrix, on every backend.
-fn assert_stacks_agree<C>(config: &C)
+/// Every readout of stacks of MLP blocks of each stream width in `widths`, and the
+/// connectivity matrix, on every backend.
+fn assert_stacks_agree<C>(config: &C, widths: &[usize])
 where
     C: ConnectivityConfig,
     C::Connectivity: StreamConnectivity<3>,
 {
-    assert_backends_agree(|device| stack(config, BLOCKS, device), Stack::readout);
+    for &width in widths {
+        assert_backends_agree(
+            |device| stack_of_width(config, BLOCKS, width, device),
+            Stack::readout,
+            width,
+        );
+    }
     let reference = stack(config, BLOCKS, &Device::flex());
     for (name, device) in other_backends() {
         let other = reload(&reference, config, BLOCKS, &device);
@@ -184,17 +206,21 @@ where
     let build = |device: &Device| {
         // Burn 0.22.1's exact-GELU backward is the tanh approximation's on NdArray and CubeCL
         // (see the README): the tanh-approximated GELU has the same gradient everywhere.
-        let encoder = TransformerEncoderConfig::new(8, 16, 2, 3)
+        let encoder = TransformerEncoderConfig::new(WIDTH, 2 * WIDTH, 2, 3)
             .with_norm_first(norm_first)
             .with_dropout(0.0)
             .with_activation(ActivationConfig::GeluApproximate)
             .init(device);
         ConnectedEncoder::new(encoder, granularity, config, device).unwrap()
     };
-    assert_backends_agree(build, |model, x| {
-        let masks = EncoderMasks::causal(2, 5, &x.device());
-        model.readout(x, &masks)
-    });
+    assert_backends_agree(
+        build,
+        |model, x| {
+            let masks = EncoderMasks::causal(2, 5, &x.device());
+            model.readout(x, &masks)
+        },
+        WIDTH,
+    );
 }
 
 fn assert_save_load_is_exact<C>(config: &C)
@@ -224,14 +250,17 @@ where
 #[test]
 fn hacn_family_agrees_across_backends() {
     for config in [HacnConfig::new(), HacnConfig::resnet(), HacnConfig::acn()] {
-        assert_stacks_agree(&config);
+        assert_stacks_agree(&config, &[WIDTH, ALIGNED_WIDTH]);
     }
 }
 
 #[test]
 fn ancre_agrees_across_backends() {
-    assert_stacks_agree(&AncreConfig::new());
-    assert_stacks_agree(&AncreConfig::residual(1e-3).with_normalization(Normalization::Outgoing));
+    assert_stacks_agree(&AncreConfig::new(), &[WIDTH, ALIGNED_WIDTH]);
+    assert_stacks_agree(
+        &AncreConfig::residual(1e-3).with_normalization(Normalization::Outgoing),
+        &[WIDTH, ALIGNED_WIDTH],
+    );
 }
 
 #[test]
@@ -261,7 +290,7 @@ fn hyperzzw() -> HyperZzwConnectivityConfig {
 
 #[test]
 fn hyperzzw_connectivity_agrees_across_backends() {
-    assert_stacks_agree(&hyperzzw());
+    assert_stacks_agree(&hyperzzw(), &[WIDTH]);
 }
 
 #[test]

@@ -17,9 +17,9 @@
 //!
 //! The mixture is accumulated progressively: as soon as `s_i` exists, `p_ij s_i` is added to
 //! the pending sum of every later target `j`; no `[j, batch, …]` history is ever stacked.
-//! When no gradient flows to the logits (inference) a forward pass reads `p` back to the host
-//! once, so that a step is one fused kernel on CubeCL backends (README, "Kernels per block on
-//! CubeCL").
+//! A step is one fused kernel on CubeCL backends: a forward pass fetches `p` once, as host
+//! scalars when no gradient flows to the logits (inference) and as aligned broadcast rows
+//! under a gradient (README, "Kernels per block on CubeCL").
 //!
 //! In branch outputs, `coef(s_j) = e_j + Σ_{i<j} p_ij coef(s_i)`, so `C[:, j] = coef(s_{j-1})`
 //! and `out = coef(s_K)`.
@@ -164,10 +164,8 @@ pub struct AncreState<const D: usize> {
     pub stream: Tensor<D>,
     /// `Σ_{i<=j} p_it s_i` for the targets `t = j+1..=K`, in order.
     pending: Vec<Tensor<D>>,
-    /// The coefficients `p`, computed once per forward pass, flattened row-major.
+    /// The coefficients `p` (row = source, column = target), computed once per forward pass.
     coefficients: Scales,
-    /// Side of the coefficient matrix.
-    size: usize,
 }
 
 impl Ancre {
@@ -314,21 +312,18 @@ impl<const D: usize> StreamConnectivity<D> for Ancre {
     type State = AncreState<D>;
 
     fn start(&self, input: Tensor<D>) -> AncreState<D> {
-        let coefficients = self.coefficients();
-        let size = coefficients.dims()[0];
         let coefficients = Scales::new(
-            coefficients.reshape([size * size]),
+            self.coefficients(),
             self.logits.val().is_require_grad(),
             input.dims()[D - 1],
         );
         let pending = (1..=self.num_blocks)
-            .map(|target| coefficients.scale(target, input.clone()))
+            .map(|target| coefficients.scale(0, target, input.clone()))
             .collect();
         AncreState {
             stream: input,
             pending,
             coefficients,
-            size,
         }
     }
 
@@ -353,8 +348,9 @@ impl<const D: usize> StreamConnectivity<D> for Ancre {
             .enumerate()
             .map(|(offset, sum)| {
                 let target = source + 1 + offset;
-                let entry = source * state.size + target;
-                sum + state.coefficients.scale(entry, state.stream.clone())
+                sum + state
+                    .coefficients
+                    .scale(source, target, state.stream.clone())
             })
             .collect();
         state

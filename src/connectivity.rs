@@ -124,8 +124,8 @@ pub(crate) fn leading_part<const D: usize>(
 /// wgpu, 512 on CUDA), so that each row is a view of the table rather than a copy.
 const ALIGNED_ROW_BYTES: usize = 512;
 
-/// The scalars a connectivity multiplies its streams by (gates, coefficients), fetched once
-/// per forward pass.
+/// The scalars a connectivity multiplies its streams by (gates, coefficients), a matrix of
+/// them fetched once per forward pass.
 ///
 /// The goal is one kernel per connectivity step on CubeCL backends, where fusion merges the
 /// step's multiplications and additions into one kernel, provided that taking a scalar does
@@ -133,9 +133,9 @@ const ALIGNED_ROW_BYTES: usize = 512;
 /// - no gradient flows to them (inference, frozen parameters): they are read back to the host
 ///   once, and a multiplication by a host scalar is a kernel argument;
 /// - under a gradient on CubeCL, with streams whose last axis spans a multiple of
-///   [`ALIGNED_ROW_BYTES`]: value `i` is repeated along row `i` of a `[count, width]` table (one
-///   kernel per pass), each row is taken once per pass as a view, and a stream is multiplied by
-///   its row broadcast over the leading axes;
+///   [`ALIGNED_ROW_BYTES`]: value `(r, c)` is repeated along the last axis of a
+///   `[rows, columns, width]` table (one kernel per pass), every entry is taken once per pass as
+///   a view, and a stream is multiplied by its entry broadcast over the leading axes;
 /// - under a gradient otherwise: each use selects its entry, a kernel of its own on CubeCL.
 ///
 /// A slice at an unaligned offset is also a copy kernel, and the formulation that fusion would
@@ -143,46 +143,67 @@ const ALIGNED_ROW_BYTES: usize = 512;
 /// (see the `kernel_counts` example).
 #[derive(Debug, Clone)]
 pub(crate) enum Scales {
-    /// Values read back from the device.
-    Host(Vec<f64>),
-    /// The differentiable values (boxed: a tensor handle is much larger than a `Vec`).
-    Tracked(Box<Tensor<1>>),
-    /// The differentiable values, value `i` repeated along `rows[i]` (`[1, width]`).
-    Rows(Vec<Tensor<2>>),
+    /// Values read back from the device, row-major.
+    Host { values: Vec<f64>, columns: usize },
+    /// The differentiable values, row-major (boxed: a tensor handle is much larger than a `Vec`).
+    Tracked {
+        values: Box<Tensor<1>>,
+        columns: usize,
+    },
+    /// The differentiable values, value `(r, c)` repeated along `entries[r][c]` (`[1, 1, width]`).
+    Rows(Vec<Vec<Tensor<3>>>),
 }
 
 impl Scales {
-    /// `tracked`: whether a gradient flows to `values`, i.e. whether the parameters they are
-    /// computed from require one (a computed tensor does not report it itself).
-    /// `width`: the size of the last axis of the streams they will scale.
-    pub(crate) fn new(values: Tensor<1>, tracked: bool, width: usize) -> Self {
+    /// `values`: `[rows, columns]`. `tracked`: whether a gradient flows to them, i.e. whether
+    /// the parameters they are computed from require one (a computed tensor does not report it
+    /// itself). `width`: the size of the last axis of the streams they will scale.
+    pub(crate) fn new(values: Tensor<2>, tracked: bool, width: usize) -> Self {
+        let [rows, columns] = values.dims();
         if !tracked {
-            return Self::Host(values.into_data().iter::<f64>().collect());
+            let values = values.into_data().iter::<f64>().collect();
+            return Self::Host { values, columns };
         }
         let row_bytes = width * values.dtype().size();
         if !is_cube(&values.device()) || !row_bytes.is_multiple_of(ALIGNED_ROW_BYTES) {
-            return Self::Tracked(Box::new(values));
+            let values = Box::new(values.reshape([rows * columns]));
+            return Self::Tracked { values, columns };
         }
-        let count = values.dims()[0];
-        // The product materialises the table: rows of a broadcast view would not be aligned.
-        let table = values.reshape([count, 1]).expand([count, width]) * 1.0;
-        Self::Rows(table.chunk(count, 0))
+        // The product materialises the table: entries of a broadcast view would not be aligned.
+        let table = values
+            .reshape([rows, columns, 1])
+            .expand([rows, columns, width])
+            * 1.0;
+        // The gradient of a view is as large as the tensor it is taken from: taking entries
+        // from their row rather than from the whole table keeps the backward pass small.
+        let entries = table
+            .chunk(rows, 0)
+            .into_iter()
+            .map(|row| row.chunk(columns, 1))
+            .collect();
+        Self::Rows(entries)
     }
 
-    /// `values[index] · value`.
-    pub(crate) fn scale<const D: usize>(&self, index: usize, value: Tensor<D>) -> Tensor<D> {
+    /// `values[row][column] · value`.
+    pub(crate) fn scale<const D: usize>(
+        &self,
+        row: usize,
+        column: usize,
+        value: Tensor<D>,
+    ) -> Tensor<D> {
         match self {
-            Self::Host(values) => value * values[index],
-            Self::Tracked(values) => {
-                let position = Tensor::<1, Int>::from_data([index as i64], &values.device());
+            Self::Host { values, columns } => value * values[row * columns + column],
+            Self::Tracked { values, columns } => {
+                let index = (row * columns + column) as i64;
+                let position = Tensor::<1, Int>::from_data([index], &values.device());
                 let entry = values.as_ref().clone().select(0, position);
                 value * entry.reshape([1usize; D])
             }
-            Self::Rows(rows) => {
-                let row = rows[index].clone();
+            Self::Rows(entries) => {
+                let entry = entries[row][column].clone();
                 let mut dims = [1usize; D];
-                dims[D - 1] = row.dims()[1];
-                value * row.reshape(dims)
+                dims[D - 1] = entry.dims()[2];
+                value * entry.reshape(dims)
             }
         }
     }

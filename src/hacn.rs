@@ -14,9 +14,9 @@
 //! the depth. The direct connectivity is `C[i][j] = Π_{l=i+1}^{j-1} a_l` (H-ACN paper eq. 4)
 //! and `out[i] = 1`; the total connectivity strength is `Γ = ‖a‖₂ / √L`.
 //!
-//! When no gradient flows to the gates (inference, frozen gates) a forward pass reads them back
-//! to the host once, so that a step is one fused kernel on CubeCL backends (README, "Kernels
-//! per block on CubeCL").
+//! A step is one fused kernel on CubeCL backends: a forward pass fetches the gates once, as
+//! host scalars when no gradient flows to them (inference, frozen gates) and as aligned
+//! broadcast rows under a gradient (README, "Kernels per block on CubeCL").
 
 use burn::module::Param;
 use burn::prelude::*;
@@ -267,7 +267,7 @@ impl<const D: usize> StreamConnectivity<D> for Hacn {
         HacnState {
             stream: input.clone(),
             sum: input,
-            gates: Scales::new(gates, tracked, width),
+            gates: Scales::new(gates.unsqueeze(), tracked, width),
         }
     }
 
@@ -278,7 +278,7 @@ impl<const D: usize> StreamConnectivity<D> for Hacn {
     /// Exactly `sum += h`, `s = h + a s` (the tailed version would compute `sum += (h + a s) - a s`).
     fn step(&self, state: HacnState<D>, block: usize, branch: Tensor<D>) -> HacnState<D> {
         HacnState {
-            stream: branch.clone() + state.gates.scale(block, state.stream),
+            stream: branch.clone() + state.gates.scale(0, block, state.stream),
             sum: state.sum + branch,
             gates: state.gates,
         }
@@ -291,7 +291,7 @@ impl<const D: usize> StreamConnectivity<D> for Hacn {
         branch: Tensor<D>,
         tail: impl FnOnce(Tensor<D>) -> Tensor<D>,
     ) -> HacnState<D> {
-        let carried = state.gates.scale(block, state.stream);
+        let carried = state.gates.scale(0, block, state.stream);
         let stream = tail(branch + carried.clone());
         HacnState {
             sum: state.sum + (stream.clone() - carried),

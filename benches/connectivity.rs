@@ -61,3 +61,28 @@ fn gconv(bencher: Bencher, method: ConvMethod, length: usize) {
     let (z, kernel) = gconv_inputs(length, &device);
     bench_synced(bencher, &device, || method.apply(z.clone(), kernel.clone()));
 }
+
+/// Ten chained adds `sum += p_i · stream` on `[8, 128, 256]`, forward and backward, with each
+/// `p_i` an entry of a coefficient vector that gets a gradient (`scaled = true`, as ANCRe's
+/// mixture does on CPU backends) or without the scale: the per-shortcut cost of ANCRe.
+#[divan::bench(args = [false, true], sample_count = 20, sample_size = 1)]
+fn chained_adds_train(bencher: Bencher, scaled: bool) {
+    const ADDS: usize = 10;
+    let device = device().autodiff();
+    let start = stack_input(&device).require_grad();
+    let stream = stack_input(&device).require_grad();
+    let coefficients = Tensor::<1>::ones([ADDS], &device).require_grad();
+    bench_synced(bencher, &device, || {
+        let mut sum = start.clone();
+        for index in 0..ADDS {
+            let term = if scaled {
+                let position = Tensor::<1, Int>::from_data([index as i64], &device);
+                stream.clone() * coefficients.clone().select(0, position).reshape([1, 1, 1])
+            } else {
+                stream.clone()
+            };
+            sum = sum + term;
+        }
+        sum.sum().backward()
+    });
+}

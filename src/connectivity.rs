@@ -119,9 +119,9 @@ pub(crate) fn leading_part<const D: usize>(
     })
 }
 
-/// Tracked scales become table rows on CubeCL backends when a row of the stream's width spans
+/// Tracked scales become entries of a table on CubeCL backends when the stream's width spans
 /// a multiple of this many bytes: the buffer offset alignment of every CubeCL runtime (256 on
-/// wgpu, 512 on CUDA), so that each row is a view of the table rather than a copy.
+/// wgpu, 512 on CUDA), so that each entry is a view of the table rather than a copy.
 const ALIGNED_ROW_BYTES: usize = 512;
 
 /// The scalars a connectivity multiplies its streams by (gates, coefficients), a matrix of
@@ -151,7 +151,7 @@ pub(crate) enum Scales {
         columns: usize,
     },
     /// The differentiable values, value `(r, c)` repeated along `entries[r][c]` (`[1, 1, width]`).
-    Rows(Vec<Vec<Tensor<3>>>),
+    AlignedEntries(Vec<Vec<Tensor<3>>>),
 }
 
 impl Scales {
@@ -181,7 +181,7 @@ impl Scales {
             .into_iter()
             .map(|row| row.chunk(columns, 1))
             .collect();
-        Self::Rows(entries)
+        Self::AlignedEntries(entries)
     }
 
     /// `values[row][column] · value`.
@@ -199,7 +199,7 @@ impl Scales {
                 let entry = values.as_ref().clone().select(0, position);
                 value * entry.reshape([1usize; D])
             }
-            Self::Rows(entries) => {
+            Self::AlignedEntries(entries) => {
                 let entry = entries[row][column].clone();
                 let mut dims = [1usize; D];
                 dims[D - 1] = entry.dims()[2];

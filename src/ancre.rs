@@ -29,7 +29,7 @@ use burn::prelude::*;
 use burn::tensor::activation::softmax;
 
 use crate::connectivity::{
-    Connectivity, ConnectivityConfig, Scales, StreamConnectivity, leading_part,
+    Connectivity, ConnectivityConfig, Scales, StreamConnectivity, UsedEntries, leading_part,
 };
 use crate::error::{Error, Result, check_depth, check_finite, check_positive};
 use crate::matrix::ConnectivityMatrix;
@@ -314,6 +314,7 @@ impl<const D: usize> StreamConnectivity<D> for Ancre {
     fn start(&self, input: Tensor<D>) -> AncreState<D> {
         let coefficients = Scales::new(
             self.coefficients(),
+            UsedEntries::AboveDiagonal,
             self.logits.val().is_require_grad(),
             input.dims()[D - 1],
         );

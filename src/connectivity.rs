@@ -134,8 +134,8 @@ const ALIGNED_ROW_BYTES: usize = 512;
 ///   once, and a multiplication by a host scalar is a kernel argument;
 /// - under a gradient on CubeCL, with streams whose last axis spans a multiple of
 ///   [`ALIGNED_ROW_BYTES`]: value `(r, c)` is repeated along the last axis of a
-///   `[rows, columns, width]` table (one kernel per pass), every entry is taken once per pass as
-///   a view, and a stream is multiplied by its entry broadcast over the leading axes;
+///   `[rows, columns, width]` table (one kernel per pass), every used entry is taken once per
+///   pass as a view, and a stream is multiplied by its entry broadcast over the leading axes;
 /// - under a gradient otherwise: each use selects its entry, a kernel of its own on CubeCL.
 ///
 /// A slice at an unaligned offset is also a copy kernel, and the formulation that fusion would
@@ -150,15 +150,39 @@ pub(crate) enum Scales {
         values: Box<Tensor<1>>,
         columns: usize,
     },
-    /// The differentiable values, value `(r, c)` repeated along `entries[r][c]` (`[1, 1, width]`).
-    AlignedEntries(Vec<Vec<Tensor<3>>>),
+    /// The differentiable values, value `(r, c)` repeated along
+    /// `entries[r][c - used.first_column(r)]` (`[1, 1, width]`).
+    AlignedEntries {
+        entries: Vec<Vec<Tensor<3>>>,
+        used: UsedEntries,
+    },
+}
+
+/// Which entries of a [`Scales`] matrix a connectivity multiplies by: only those are taken
+/// out of the table, each taken view costing host time on every pass.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum UsedEntries {
+    /// Every entry (the gates of H-ACN, one row).
+    All,
+    /// The entries right of the diagonal (ANCRe's shortcuts `i -> j`, `i < j`).
+    AboveDiagonal,
+}
+
+impl UsedEntries {
+    fn first_column(self, row: usize) -> usize {
+        match self {
+            Self::All => 0,
+            Self::AboveDiagonal => row + 1,
+        }
+    }
 }
 
 impl Scales {
-    /// `values`: `[rows, columns]`. `tracked`: whether a gradient flows to them, i.e. whether
-    /// the parameters they are computed from require one (a computed tensor does not report it
-    /// itself). `width`: the size of the last axis of the streams they will scale.
-    pub(crate) fn new(values: Tensor<2>, tracked: bool, width: usize) -> Self {
+    /// `values`: `[rows, columns]`, of which `used` will scale streams. `tracked`: whether a
+    /// gradient flows to them, i.e. whether the parameters they are computed from require one
+    /// (a computed tensor does not report it itself). `width`: the size of the last axis of the
+    /// streams they will scale.
+    pub(crate) fn new(values: Tensor<2>, used: UsedEntries, tracked: bool, width: usize) -> Self {
         let [rows, columns] = values.dims();
         if !tracked {
             let values = values.into_data().iter::<f64>().collect();
@@ -179,9 +203,18 @@ impl Scales {
         let entries = table
             .chunk(rows, 0)
             .into_iter()
-            .map(|row| row.chunk(columns, 1))
+            .enumerate()
+            .map(|(row, row_table)| {
+                let first = used.first_column(row).min(columns);
+                let count = columns - first;
+                if count == 0 {
+                    Vec::new()
+                } else {
+                    row_table.narrow(1, first, count).chunk(count, 1)
+                }
+            })
             .collect();
-        Self::AlignedEntries(entries)
+        Self::AlignedEntries { entries, used }
     }
 
     /// `values[row][column] · value`.
@@ -199,8 +232,8 @@ impl Scales {
                 let entry = values.as_ref().clone().select(0, position);
                 value * entry.reshape([1usize; D])
             }
-            Self::AlignedEntries(entries) => {
-                let entry = entries[row][column].clone();
+            Self::AlignedEntries { entries, used } => {
+                let entry = entries[row][column - used.first_column(row)].clone();
                 let mut dims = [1usize; D];
                 dims[D - 1] = entry.dims()[2];
                 value * entry.reshape(dims)

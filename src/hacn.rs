@@ -23,7 +23,7 @@ use burn::prelude::*;
 use burn::tensor::Distribution;
 
 use crate::connectivity::{
-    Connectivity, ConnectivityConfig, Scales, StreamConnectivity, leading_part,
+    Connectivity, ConnectivityConfig, Scales, StreamConnectivity, UsedEntries, leading_part,
 };
 use crate::error::{Error, Result, check_depth, check_finite, check_non_negative, check_positive};
 use crate::matrix::ConnectivityMatrix;
@@ -267,7 +267,7 @@ impl<const D: usize> StreamConnectivity<D> for Hacn {
         HacnState {
             stream: input.clone(),
             sum: input,
-            gates: Scales::new(gates.unsqueeze(), tracked, width),
+            gates: Scales::new(gates.unsqueeze(), UsedEntries::All, tracked, width),
         }
     }
 

@@ -21,7 +21,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use burn::prelude::*;
 use burn::tensor::Distribution;
-use burn_connectivity::{AncreConfig, ConnectivityConfig, HacnConfig, StreamConnectivity};
+use burn_connectivity::{
+    AncreConfig, ConnectivityConfig, HacnConfig, MhcConfig, StreamConnectivity, sinkhorn_knopp,
+};
 use common::Args;
 use cubecl_runtime::logging::{LaunchObservation, LaunchObserver};
 use workloads::{LENGTH, Model, Variant, WIDTH, stack_input};
@@ -79,7 +81,14 @@ fn main() -> Result<(), String> {
         );
         let input = stack_input(device);
         let mut baseline = None;
-        for variant in [Variant::Residual, Variant::Hacn, Variant::Ancre] {
+        for variant in [
+            Variant::Residual,
+            Variant::Hacn,
+            Variant::Ancre,
+            Variant::Hc,
+            Variant::Mhc,
+            Variant::Dwa,
+        ] {
             let model = Model::new(variant, depth, device);
             let kernels = count(device, || model.forward(input.clone()));
             let base = *baseline.get_or_insert(kernels);
@@ -106,11 +115,27 @@ fn main() -> Result<(), String> {
         let ancre = AncreConfig::new()
             .init(depth, device)
             .map_err(|err| err.to_string())?;
-        let start = ancre.start(previous);
+        let start = ancre.start(previous.clone());
         let kernels = count(device, || ancre.step(start.clone(), 0, branch.clone()));
         println!(
             "  ANCRe step (s_1 = h_1 + mixture, then {} pending mixtures += p s_1), {mode}: {kernels} kernel(s)",
             depth - 1
+        );
+        let mhc = MhcConfig::new(WIDTH)
+            .init(depth, device)
+            .map_err(|err| err.to_string())?;
+        let start = mhc.start(previous);
+        let kernels = count(device, || mhc.step(start.clone(), 0, branch.clone()).units);
+        println!(
+            "  mHC step (S' = H_res^T S + H_post h, then the next block's H_pre, H_post, H_res with 20 Sinkhorn iterations and its input), {mode}: {kernels} kernel(s)"
+        );
+        let logits = Tensor::<3>::random([8 * LENGTH, 4, 4], Distribution::Default, device);
+        let kernels = count(device, || {
+            sinkhorn_knopp(logits.clone(), 20).expect("square")
+        });
+        println!(
+            "  Sinkhorn-Knopp alone, 20 iterations on [{}, 4, 4], {mode}: {kernels} kernel(s)",
+            8 * LENGTH
         );
     }
 

@@ -1,16 +1,21 @@
-//! A character-level decoder built from burn-nn transformer layers, wrapped three ways.
+//! A character-level decoder built from burn-nn transformer layers, wrapped with any of the
+//! crate's connectivities.
 //!
 //! ```text
-//! cargo run --release --example lm_wrap [-- --device flex --steps 300 --layers 4 --width 64]
+//! cargo run --release --example lm_wrap [-- --device flex --steps 300 --layers 4 --width 64 \
+//!     --connectivity residual,hacn,ancre,hc,mhc,dwa --granularity block]
 //! ```
 //!
 //! Token and position embeddings → burn-nn `TransformerEncoder` layers (pre-norm, causal mask)
 //! → LayerNorm → linear head, trained on four Shakespeare tragedies (examples/data, public
-//! domain). The same initial weights, data order and budget are trained as a plain residual
-//! encoder (H-ACN's ResNet preset, which is exactly burn-nn's wiring), with H-ACN gates and
-//! with ANCRe at block level; connectivity parameters train in their own group (no weight decay,
-//! their own learning rate). It prints the validation loss of each model and its layer-wise
-//! validation loss: the readout after `k` layers through the same norm and head.
+//! domain). The same initial weights, data order and budget are trained under every
+//! connectivity of `--connectivity` (a comma-separated list of `residual` (H-ACN's ResNet preset,
+//! exactly burn-nn's wiring), `hacn`, `ancre`, `hc` and `mhc` (4 streams), `dwa` (DenseFormer,
+//! dilation 1, period 1) and `hyperzzw`), at `--granularity block` (one connectivity block per
+//! layer) or `sublayer` (attention and feed-forward each one block, as the HC paper and mHC wire
+//! them); connectivity parameters train in their own group (no weight decay, their own learning
+//! rate). It prints the validation loss of each model and its layer-wise validation loss: the
+//! readout after `k` layers through the same norm and head.
 
 mod common;
 
@@ -21,13 +26,25 @@ use burn::nn::transformer::TransformerEncoderConfig;
 use burn::nn::{Embedding, EmbeddingConfig, LayerNorm, LayerNormConfig, Linear, LinearConfig};
 use burn::optim::GradientsParams;
 use burn::prelude::*;
+use burn_connectivity::hyperzzw::HyperZzwConnectivityConfig;
 use burn_connectivity::training::{GroupedAdamConfig, connectivity_group};
 use burn_connectivity::transformer::{ConnectedEncoder, EncoderMasks, Granularity};
-use burn_connectivity::{AncreConfig, ConnectivityConfig, HacnConfig, StreamConnectivity};
+use burn_connectivity::{
+    AncreConfig, ConnectivityConfig, DenseFormerConfig, HacnConfig, HyperConnectionsConfig,
+    MhcConfig, StreamConnectivity,
+};
 use common::Args;
 
 const USAGE: &str = "usage: lm_wrap [--device NAME] [--steps N] [--batch N] [--context N] \
-                     [--layers N] [--width N] [--heads N] [--lr X] [--seed N]";
+                     [--layers N] [--width N] [--heads N] [--lr X] [--seed N] \
+                     [--connectivity LIST] [--granularity block|sublayer]\n\
+                     LIST: comma-separated, of residual, hacn, ancre, hc, mhc, dwa, hyperzzw \
+                     (default residual,hacn,ancre,hc,mhc,dwa)";
+
+/// The connectivities `--connectivity` accepts.
+const CONNECTIVITIES: [&str; 7] = ["residual", "hacn", "ancre", "hc", "mhc", "dwa", "hyperzzw"];
+/// Streams of the multi-stream connectivities.
+const STREAMS: usize = 4;
 
 const TEXT: &str = include_str!("data/shakespeare.txt");
 
@@ -40,6 +57,7 @@ struct Settings {
     heads: usize,
     lr: f64,
     seed: u64,
+    granularity: Granularity,
 }
 
 /// The characters of the text, and the text as their indices.
@@ -135,7 +153,7 @@ impl<C: StreamConnectivity<3>> CharLm<C> {
                 .init(device);
         let norm = LayerNormConfig::new(width).init(device);
         let head = LinearConfig::new(width, vocabulary).init(device);
-        let encoder = ConnectedEncoder::new(layers, Granularity::Block, connectivity, device)
+        let encoder = ConnectedEncoder::new(layers, settings.granularity, connectivity, device)
             .map_err(|err| err.to_string())?;
         Ok(Self {
             token,
@@ -184,14 +202,14 @@ impl<C: StreamConnectivity<3>> CharLm<C> {
 }
 
 struct Outcome {
-    name: &'static str,
+    name: String,
     layerwise: Vec<Vec<f64>>,
     seconds: f64,
     connectivity: String,
 }
 
 fn train<C: StreamConnectivity<3>>(
-    name: &'static str,
+    name: &str,
     connectivity: &impl ConnectivityConfig<Connectivity = C>,
     corpus: &Corpus,
     settings: &Settings,
@@ -241,18 +259,109 @@ fn train<C: StreamConnectivity<3>>(
         layerwise.push(model.layerwise_loss(tokens, targets));
     }
     Ok(Outcome {
-        name,
+        name: name.to_string(),
         layerwise,
         seconds,
         connectivity: describe(&model.encoder.connectivity),
     })
 }
 
+fn format(values: &[f64]) -> String {
+    values
+        .iter()
+        .map(|v| format!("{v:.3}"))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// Trains the connectivity called `name` (one of [`CONNECTIVITIES`]).
+fn train_named(
+    name: &str,
+    corpus: &Corpus,
+    settings: &Settings,
+    device: &Device,
+) -> Result<Outcome, String> {
+    let width = settings.width;
+    match name {
+        "residual" => train(
+            name,
+            &HacnConfig::resnet(),
+            corpus,
+            settings,
+            device,
+            |_| "gates fixed at 1".into(),
+        ),
+        "hacn" => train(name, &HacnConfig::new(), corpus, settings, device, |hacn| {
+            format!("gates [{}]", format(&hacn.gate_values()))
+        }),
+        "ancre" => train(
+            name,
+            &AncreConfig::new(),
+            corpus,
+            settings,
+            device,
+            |ancre| {
+                let p = ancre.coefficient_values();
+                let residual: Vec<f64> = (1..p.len()).map(|j| p[j - 1][j]).collect();
+                format!("p_(j-1,j) [{}]", format(&residual))
+            },
+        ),
+        "hc" => {
+            let config = HyperConnectionsConfig::new(width).with_streams(STREAMS);
+            train(name, &config, corpus, settings, device, |hc| {
+                let distance = hc.residual_distance_from_identity();
+                format!(
+                    "static A_s distance from I per block [{}]",
+                    format(&distance)
+                )
+            })
+        }
+        "mhc" => {
+            let config = MhcConfig::new(width).with_streams(STREAMS);
+            train(name, &config, corpus, settings, device, |mhc| {
+                let health = mhc.residual_health();
+                let distance: Vec<f64> = health.iter().map(|h| h.distance_from_identity).collect();
+                format!(
+                    "static H_res distance from I per block [{}]",
+                    format(&distance)
+                )
+            })
+        }
+        "dwa" => train(
+            name,
+            &DenseFormerConfig::new(),
+            corpus,
+            settings,
+            device,
+            |dwa| {
+                let earlier = dwa.weight_on_earlier_states();
+                format!("DWA weight on earlier states [{}]", format(&earlier))
+            },
+        ),
+        "hyperzzw" => {
+            let config = HyperZzwConnectivityConfig::new(width, settings.context);
+            train(name, &config, corpus, settings, device, |_| {
+                "HyperZZW fusion".into()
+            })
+        }
+        other => Err(format!("unknown connectivity `{other}`")),
+    }
+}
+
 fn main() -> Result<(), String> {
     let args = Args::parse(
         USAGE,
         &[
-            "steps", "batch", "context", "layers", "width", "heads", "lr", "seed",
+            "steps",
+            "batch",
+            "context",
+            "layers",
+            "width",
+            "heads",
+            "lr",
+            "seed",
+            "connectivity",
+            "granularity",
         ],
     )?;
     let device = args.device()?;
@@ -265,7 +374,20 @@ fn main() -> Result<(), String> {
         heads: args.get("heads", 4)?,
         lr: args.get("lr", 3e-3)?,
         seed: args.get("seed", 7)?,
+        granularity: match args.get("granularity", String::from("block"))?.as_str() {
+            "block" => Granularity::Block,
+            "sublayer" => Granularity::Sublayer,
+            other => return Err(format!("--granularity: unknown `{other}`\n{USAGE}")),
+        },
     };
+    let list = args.get(
+        "connectivity",
+        String::from("residual,hacn,ancre,hc,mhc,dwa"),
+    )?;
+    let names: Vec<&str> = list.split(',').map(str::trim).collect();
+    if let Some(unknown) = names.iter().find(|name| !CONNECTIVITIES.contains(name)) {
+        return Err(format!("--connectivity: unknown `{unknown}`\n{USAGE}"));
+    }
     let corpus = Corpus::new(TEXT);
     println!(
         "{} characters ({} distinct), {} for training; {} layers of width {}, {} steps of {}x{}",
@@ -279,43 +401,10 @@ fn main() -> Result<(), String> {
         settings.context
     );
 
-    let format = |values: &[f64]| -> String {
-        values
-            .iter()
-            .map(|v| format!("{v:.3}"))
-            .collect::<Vec<_>>()
-            .join(", ")
-    };
-    let outcomes = [
-        train(
-            "residual",
-            &HacnConfig::resnet(),
-            &corpus,
-            &settings,
-            &device,
-            |_| "gates fixed at 1".into(),
-        )?,
-        train(
-            "hacn",
-            &HacnConfig::new(),
-            &corpus,
-            &settings,
-            &device,
-            |hacn| format!("gates [{}]", format(&hacn.gate_values())),
-        )?,
-        train(
-            "ancre",
-            &AncreConfig::new(),
-            &corpus,
-            &settings,
-            &device,
-            |ancre| {
-                let p = ancre.coefficient_values();
-                let residual: Vec<f64> = (1..p.len()).map(|j| p[j - 1][j]).collect();
-                format!("p_(j-1,j) [{}]", format(&residual))
-            },
-        )?,
-    ];
+    let outcomes = names
+        .iter()
+        .map(|name| train_named(name, &corpus, &settings, &device))
+        .collect::<Result<Vec<_>, String>>()?;
 
     println!(
         "\nvalidation loss (nats/char) of the readout after k layers, k = 0..{}:",

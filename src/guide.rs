@@ -3,7 +3,9 @@
 //!
 //! Papers: **H-ACN** (Hybrid Auto-Compressing Networks), **ANCRe** (Adaptive Neural Connection
 //! Reassignment), **HyperZZW** (Hyper Z·Z·W operator / Terminator, and its withdrawn 2D reference
-//! code). "Decision" marks a choice the papers leave open.
+//! code), **HC** (Hyper-Connections, Zhu et al. 2024) and frac-connections, **mHC** (DeepSeek,
+//! arXiv 2512.24880), **DenseFormer** (Pagliardini et al. 2024). "Decision" marks a choice the
+//! papers leave open.
 //!
 //! # Shared vocabulary
 //!
@@ -55,10 +57,39 @@
 //! | `TerminatorConfig { classes, block, expansions }` | the Terminator model | reference λ = 4, 3, 2, 2, 2 |
 //! | `HyperZzwConnectivityConfig { d_model, max_len, local_kernel_sizes, hidden, layers, omega_0, crop }` | decision (SPEC 3.5): HyperZZW fusion of `h_j` and `s_{j-1}` in place of the identity shortcut, for `[B, T, d]` stacks | its `C` holds the additive chain only; local branches are not causal |
 //!
+//! # Hyper-connections and frac-connections ([`HyperConnectionsConfig`](crate::HyperConnectionsConfig))
+//!
+//! | option | implements | notes |
+//! |---|---|---|
+//! | `streams` n | HC Alg. 2, expansion rate | default 4; streams start as copies of `x` |
+//! | `dynamic`, `tanh` | dynamic HC `A = s_a tanh(N W_a) + A_s`, `B = s_b tanh(N w_b) + b_s`, and static HC | init as the paper and lucidrains/hyper-connections 0.4.11 (golden `hc`): block `j` reads stream `(j−1) mod n`, `A_s[:,1:] = I`, `b_s = 1`, `W_a = w_b = γ = 0`, `s_a = s_b = 0.01` |
+//! | `fractions` m | frac-connections (arXiv 2503.14125): the width split into `m` fractions instead of copied | decision: `n·m` units of width `d/m`; view `f` of the block input reads fraction-`f` units, fraction `f` of the output goes to them; norm and dynamic weights per unit |
+//! | `reduce` | output `y = Σ_k S_k` (default) or the mean | every readout uses the same reduction |
+//! | [`Connectivity::matrix`](crate::Connectivity::matrix) | `C` of the static part (a token whose streams vanish) | exact for static HC; with fractions, averaged over the views |
+//!
+//! # mHC ([`MhcConfig`](crate::MhcConfig), [`sinkhorn_knopp`](crate::sinkhorn_knopp))
+//!
+//! | option | implements | notes |
+//! |---|---|---|
+//! | `streams` n, `width` C | eqs. 14–19 as Megatron-LM computes them: flattened RMS scale, `σ`, `2σ`, Sinkhorn-Knopp | golden `mhc`; `ε = 1e-6` |
+//! | `sinkhorn_iterations` | Sinkhorn-Knopp, differentiated through every iteration | default 20; the public function takes any square batch |
+//! | `phi_std`, `alpha_init` | decision (SPEC §5.2): `φ ~ N(0, σ = 1e-4)`, `α = 0.01`, `b_pre = −ln(n−1)`, `b_post = 0`, `b_res = 5(I − 1)` | within 1e-2 of ResNet at init (tested); with `n = 1`, `b_pre = 0` gives `H_pre = ½` |
+//! | `reduce` | output `y = mean_k S_k` (default) or the sum | |
+//! | [`Connectivity::matrix`](crate::Connectivity::matrix) | `C` of the static part (`H~ = b`) | [`Mhc::connections`](crate::Mhc::connections) gives the per-token matrices of a batch |
+//!
+//! # DenseFormer ([`DenseFormerConfig`](crate::DenseFormerConfig))
+//!
+//! | option | implements | notes |
+//! |---|---|---|
+//! | `dilation` δ, `period` | DWA: `Y_i = Σ_{k ≡ i (mod δ), k ≤ i} α_i[k] X_k` after every `period`-th block | golden `dwa` (1×1, 2×1, 1×2); the paper's 4×5 DenseFormer is `dilation = 4, period = 5` |
+//! | init | `α_i = e_last`: exactly ResNet | only the states a later average needs are kept |
+//!
 //! # Transformers and training
 //!
 //! | option | implements | notes |
 //! |---|---|---|
 //! | [`ConnectedEncoder`](crate::transformer::ConnectedEncoder) | SPEC §4: burn-nn encoder layers rewired from their public parts | pre- and post-norm; masks pass through; record paths of `TransformerEncoder` kept |
+//! | `Granularity::Sublayer` with HC / mHC | each attention and feed-forward sublayer is one HC layer (HC paper, Megatron-LM) | |
+//! | `Granularity::Block` with HC / mHC / DWA | decision: the whole layer is one block; multi-stream connectivities feed it `M_0` and write its whole update `T(M_0) − M_0` into the streams; DWA averages after each layer | |
 //! | [`GroupedAdamConfig`](crate::training::GroupedAdamConfig) | the reference codes' parameter groups | connectivity parameters: no weight decay, own learning rate |
 //! | [`Stack::compress`](crate::Stack::compress) | H-ACN §3.1 auto-compression | smallest depth within a tolerance of the full model on validation scores |

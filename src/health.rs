@@ -6,6 +6,15 @@
 //! * ANCRe: the coefficients `p`, the entropy of every target's column, the mean distances to
 //!   the residual and to the uniform topology.
 //! * HyperZZW: the energy `mean(K_j²)` of every block's global kernel.
+//! * Hyper-connections: per block, the distance of the static width connections from the
+//!   identity, and the static depth connections `b_s`.
+//! * mHC: per block, the distance of the static residual mixing `SK(b_res)` from the identity and
+//!   from doubly stochastic.
+//! * DenseFormer: per average, the weight on states other than the latest.
+//!
+//! The spread between the streams of hyper-connections and mHC depends on the data: it is
+//! [`MultiStreamState::stream_spread`](crate::MultiStreamState::stream_spread) of a batch's
+//! state (the `lm_wrap` example prints it).
 //! * Every connectivity: the drift `‖θ − θ₀‖₂` of its parameters from a reference (usually their
 //!   initial values).
 //!
@@ -35,9 +44,12 @@ use burn::prelude::*;
 use serde::{Deserialize, Serialize};
 
 use crate::ancre::Ancre;
+use crate::denseformer::DenseFormer;
 use crate::error::{Error, Result};
 use crate::hacn::Hacn;
+use crate::hyper_connections::HyperConnections;
 use crate::hyperzzw::HyperZzwConnectivity;
+use crate::mhc::Mhc;
 
 /// What a connectivity family reports about itself.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -65,6 +77,25 @@ pub enum FamilyHealth {
     HyperZzw {
         /// `mean(K_j²)` of every block's global kernel.
         kernel_energy: Vec<f64>,
+    },
+    /// Hyper-connections (and frac-connections).
+    HyperConnections {
+        /// Per block, the largest `|A_s[u][V+t] − δ_ut|`.
+        distance_from_identity: Vec<f64>,
+        /// Per block, the static depth connections `b_s`.
+        static_beta: Vec<Vec<f64>>,
+    },
+    /// mHC (static part, `H~ = b`).
+    Mhc {
+        /// Per block, the largest `|SK(b_res)[k][i] − δ_ki|`.
+        distance_from_identity: Vec<f64>,
+        /// Per block, the largest deviation of a row or column sum of `SK(b_res)` from 1.
+        distance_from_doubly_stochastic: Vec<f64>,
+    },
+    /// DenseFormer DWA.
+    DenseFormer {
+        /// Per average, `Σ_{t<last} |α_i[t]|` (0: the plain residual).
+        weight_on_earlier_states: Vec<f64>,
     },
 }
 
@@ -134,6 +165,40 @@ impl Health for HyperZzwConnectivity {
             })
             .collect::<Result<_>>()?;
         Ok(FamilyHealth::HyperZzw { kernel_energy })
+    }
+}
+
+impl Health for HyperConnections {
+    fn family_health(&self) -> Result<FamilyHealth> {
+        Ok(FamilyHealth::HyperConnections {
+            distance_from_identity: self.residual_distance_from_identity(),
+            static_beta: self
+                .static_values()
+                .into_iter()
+                .map(|(_, beta)| beta)
+                .collect(),
+        })
+    }
+}
+
+impl Health for Mhc {
+    fn family_health(&self) -> Result<FamilyHealth> {
+        let health = self.residual_health();
+        Ok(FamilyHealth::Mhc {
+            distance_from_identity: health.iter().map(|h| h.distance_from_identity).collect(),
+            distance_from_doubly_stochastic: health
+                .iter()
+                .map(|h| h.distance_from_doubly_stochastic)
+                .collect(),
+        })
+    }
+}
+
+impl Health for DenseFormer {
+    fn family_health(&self) -> Result<FamilyHealth> {
+        Ok(FamilyHealth::DenseFormer {
+            weight_on_earlier_states: self.weight_on_earlier_states(),
+        })
     }
 }
 
@@ -328,6 +393,50 @@ mod tests {
         };
         assert_eq!(kernel_energy.len(), 3);
         assert!(kernel_energy.iter().all(|&e| e > 0.0 && e.is_finite()));
+    }
+
+    #[test]
+    fn multi_stream_and_dense_families_report_their_distance_from_resnet() {
+        let device = Device::flex();
+        let hc = crate::HyperConnectionsConfig::new(4)
+            .init(3, &device)
+            .unwrap();
+        let FamilyHealth::HyperConnections {
+            distance_from_identity,
+            static_beta,
+        } = hc.family_health().unwrap()
+        else {
+            panic!("not HC");
+        };
+        assert_eq!(distance_from_identity, vec![0.0; 3]);
+        assert_eq!(static_beta, vec![vec![1.0; 4]; 3]);
+
+        let mhc = crate::MhcConfig::new(4).init(2, &device).unwrap();
+        let FamilyHealth::Mhc {
+            distance_from_identity,
+            distance_from_doubly_stochastic,
+        } = mhc.family_health().unwrap()
+        else {
+            panic!("not mHC");
+        };
+        // Row softmax of 5 (I − 1) over 4 streams: 1 / (1 + 3 e⁻⁵) on the diagonal.
+        let diagonal = 1.0 / (1.0 + 3.0 * (-5.0_f64).exp());
+        assert!(
+            distance_from_identity
+                .iter()
+                .all(|d| (d - (1.0 - diagonal)).abs() < 1e-4)
+        );
+        assert!(distance_from_doubly_stochastic.iter().all(|d| *d < 1e-4));
+
+        let dwa = crate::DenseFormerConfig::new().init(3, &device).unwrap();
+        let report = dwa.health(&dwa).unwrap();
+        assert_eq!(
+            report.family,
+            FamilyHealth::DenseFormer {
+                weight_on_earlier_states: vec![0.0; 3]
+            }
+        );
+        assert_eq!(report.drift, 0.0);
     }
 
     #[test]

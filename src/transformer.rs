@@ -468,6 +468,47 @@ mod tests {
         }
     }
 
+    /// One static stream of hyper-connections and DWA at init are exactly the plain encoder at
+    /// either granularity (a whole layer's update `tail(M_0 + h) − M_0` at block level), mHC
+    /// is within its init tolerance.
+    #[test]
+    fn multi_stream_and_dense_presets_are_the_plain_encoder() {
+        use crate::{DenseFormerConfig, HyperConnectionsConfig, MhcConfig};
+        let device = Device::flex();
+        let (x, masks) = (input(&device), masks(&device));
+        let one_stream = HyperConnectionsConfig::new(WIDTH)
+            .with_streams(1)
+            .with_dynamic(false);
+        for (norm_first, granularity) in VARIANTS {
+            let encoder = encoder(norm_first, &device);
+            let expected = plain(&encoder, x.clone(), &masks).into_data();
+            let check = |model: Result<Tensor<3>>, tolerance: f64| {
+                model
+                    .unwrap()
+                    .into_data()
+                    .assert_approx_eq::<f32>(&expected, Tolerance::absolute(tolerance));
+            };
+            let layers = || encoder.layers.clone();
+            check(
+                ConnectedEncoder::from_layers(layers(), granularity, &one_stream, &device)
+                    .map(|model| model.forward(x.clone(), &masks)),
+                1e-5,
+            );
+            let dwa = DenseFormerConfig::new();
+            check(
+                ConnectedEncoder::from_layers(layers(), granularity, &dwa, &device)
+                    .map(|model| model.forward(x.clone(), &masks)),
+                1e-6,
+            );
+            let mhc = MhcConfig::new(WIDTH);
+            check(
+                ConnectedEncoder::from_layers(layers(), granularity, &mhc, &device)
+                    .map(|model| model.forward(x.clone(), &masks)),
+                1e-2,
+            );
+        }
+    }
+
     #[test]
     fn ancre_residual_preset_is_near_the_plain_encoder() {
         let device = Device::flex();

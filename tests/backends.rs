@@ -10,8 +10,8 @@ use burn::tensor::{Distribution, Gradients, Tolerance};
 use burn_connectivity::hyperzzw::HyperZzwConnectivityConfig;
 use burn_connectivity::transformer::{ConnectedEncoder, EncoderMasks, Granularity};
 use burn_connectivity::{
-    AncreConfig, ConnectivityConfig, HacnConfig, MlpBlock, MlpBlockConfig, Normalization, Stack,
-    StreamConnectivity,
+    AncreConfig, ConnectivityConfig, DenseFormerConfig, HacnConfig, HyperConnectionsConfig,
+    MhcConfig, MlpBlock, MlpBlockConfig, Normalization, Stack, StreamConnectivity,
 };
 
 const BLOCKS: usize = 6;
@@ -280,6 +280,61 @@ fn wrapped_encoders_agree_across_backends() {
         .with_omega_0(10.0);
     assert_encoders_agree(&hyperzzw, true, Granularity::Block);
     assert_encoders_agree(&hyperzzw, true, Granularity::Sublayer);
+}
+
+#[test]
+fn multi_stream_and_dense_connectivities_agree_across_backends() {
+    for width in [WIDTH, ALIGNED_WIDTH] {
+        assert_stacks_agree(&HyperConnectionsConfig::new(width), &[width]);
+        assert_stacks_agree(
+            &MhcConfig::new(width).with_phi_std(0.1).with_alpha_init(0.5),
+            &[width],
+        );
+    }
+    let frac = HyperConnectionsConfig::new(WIDTH)
+        .with_streams(2)
+        .with_fractions(2);
+    assert_stacks_agree(&frac, &[WIDTH]);
+    assert_stacks_agree(&DenseFormerConfig::new(), &[WIDTH, ALIGNED_WIDTH]);
+    assert_stacks_agree(
+        &DenseFormerConfig::new().with_dilation(2).with_period(3),
+        &[WIDTH],
+    );
+    for granularity in [Granularity::Block, Granularity::Sublayer] {
+        for norm_first in [true, false] {
+            assert_encoders_agree(&HyperConnectionsConfig::new(WIDTH), norm_first, granularity);
+            assert_encoders_agree(
+                &MhcConfig::new(WIDTH).with_phi_std(0.1),
+                norm_first,
+                granularity,
+            );
+            assert_encoders_agree(&DenseFormerConfig::new(), norm_first, granularity);
+        }
+    }
+}
+
+#[test]
+fn multi_stream_and_dense_records_save_and_load() {
+    assert_save_load_is_exact(&HyperConnectionsConfig::new(WIDTH).with_fractions(2));
+    assert_save_load_is_exact(&HyperConnectionsConfig::new(WIDTH).with_dynamic(false));
+    assert_save_load_is_exact(&MhcConfig::new(WIDTH).with_phi_std(0.1));
+    assert_save_load_is_exact(&DenseFormerConfig::new().with_dilation(2));
+
+    // A record of 4 streams does not fit a model of 2: an error, not a panic.
+    let device = Device::flex();
+    let four = stack(&HyperConnectionsConfig::new(WIDTH), BLOCKS, &device);
+    let two = stack(
+        &HyperConnectionsConfig::new(WIDTH).with_streams(2),
+        BLOCKS,
+        &device,
+    );
+    let record =
+        ModuleRecord::from_bytes(four.clone().into_record().into_bytes().unwrap()).unwrap();
+    assert!(two.try_load_record(record).is_err());
+    let mhc = stack(&MhcConfig::new(WIDTH), BLOCKS, &device);
+    let record = ModuleRecord::from_bytes(mhc.into_record().into_bytes().unwrap()).unwrap();
+    let three = stack(&MhcConfig::new(WIDTH).with_streams(3), BLOCKS, &device);
+    assert!(three.try_load_record(record).is_err());
 }
 
 fn hyperzzw() -> HyperZzwConnectivityConfig {

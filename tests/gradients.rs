@@ -3,11 +3,13 @@
 
 use std::sync::OnceLock;
 
+use burn::module::{ModuleMapper, ModuleVisitor, Param};
 use burn::prelude::*;
-use burn::tensor::{Distribution, FloatDType};
+use burn::tensor::{Distribution, FloatDType, Gradients};
 use burn_connectivity::{
-    AncreConfig, AncreInit, BlockNorm, ConnectivityConfig, GateInit, HacnConfig, MlpBlock,
-    MlpBlockConfig, Normalization, Stack, StreamConnectivity,
+    AncreConfig, AncreInit, BlockNorm, ConnectivityConfig, DenseFormerConfig, GateInit, HacnConfig,
+    HyperConnectionsConfig, MhcConfig, MlpBlock, MlpBlockConfig, Normalization, Stack,
+    StreamConnectivity,
 };
 
 const STEP: f64 = 1e-6;
@@ -198,5 +200,126 @@ fn the_tsallis_regulariser_gradient_matches_finite_differences() {
                 numeric,
             );
         }
+    }
+}
+
+/// Moves every float parameter by a fixed pseudo-random amount, so that no term sits at its
+/// initial value (zeros, identities) where some gradients vanish.
+struct Perturb;
+
+impl ModuleMapper for Perturb {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+        param.map(|tensor| {
+            let trainable = tensor.is_require_grad();
+            let noise = Tensor::random(tensor.shape(), Distribution::Normal(0.0, 0.3), &device());
+            (tensor + noise).detach().set_require_grad(trainable)
+        })
+    }
+}
+
+/// Shifts one entry, counted over every float parameter in visiting order, by `delta`.
+struct Shift {
+    index: usize,
+    delta: f64,
+    seen: usize,
+}
+
+impl ModuleMapper for Shift {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+        let count = param.shape().num_elements();
+        let local = self
+            .index
+            .checked_sub(self.seen)
+            .filter(|&local| local < count);
+        self.seen += count;
+        let Some(local) = local else {
+            return param;
+        };
+        let delta = self.delta;
+        param.map(|tensor| {
+            let trainable = tensor.is_require_grad();
+            let mut shift = vec![0.0; count];
+            shift[local] = delta;
+            let shift = Tensor::<1>::from_data(TensorData::new(shift, [count]), &device());
+            (tensor.clone() + shift.reshape(tensor.shape()))
+                .detach()
+                .set_require_grad(trainable)
+        })
+    }
+}
+
+/// The gradient of every float parameter, flattened in visiting order (zeros where none).
+fn parameter_grads(module: &impl Module, grads: &Gradients) -> Vec<f64> {
+    struct Collector<'a>(&'a Gradients, Vec<f64>);
+    impl ModuleVisitor for Collector<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            match param.val().grad(self.0) {
+                Some(grad) => self.1.extend(values(grad)),
+                None => self
+                    .1
+                    .extend(std::iter::repeat_n(0.0, param.shape().num_elements())),
+            }
+        }
+    }
+    let mut collector = Collector(grads, Vec::new());
+    module.visit(&mut collector);
+    collector.1
+}
+
+/// Every parameter of a (perturbed) connectivity against central differences.
+fn every_parameter_matches<C: StreamConnectivity<3>>(name: &str, connectivity: C) {
+    let problem = Problem::new(false);
+    let connectivity = connectivity.map(&mut Perturb);
+    let stack = |connectivity: C| Stack::from_parts(problem.blocks.clone(), connectivity).unwrap();
+    let grads = problem.loss(&stack(connectivity.clone())).backward();
+    let autodiff = parameter_grads(&connectivity, &grads);
+    assert!(
+        autodiff.iter().any(|g| *g != 0.0),
+        "{name}: no gradient at all"
+    );
+    for (index, analytic) in autodiff.iter().enumerate() {
+        let numeric = problem.numeric(|delta| {
+            stack(connectivity.clone().map(&mut Shift {
+                index,
+                delta,
+                seen: 0,
+            }))
+        });
+        assert_matches(
+            &format!("{name} parameter entry {index}"),
+            *analytic,
+            numeric,
+        );
+    }
+}
+
+#[test]
+fn every_hyper_connection_gradient_matches_finite_differences() {
+    for (streams, fractions, dynamic) in [(2, 1, true), (3, 1, false), (2, 2, true)] {
+        let config = HyperConnectionsConfig::new(4)
+            .with_streams(streams)
+            .with_fractions(fractions)
+            .with_dynamic(dynamic);
+        let name = format!("HC n={streams} m={fractions} dynamic={dynamic}");
+        every_parameter_matches(&name, config.init(BLOCKS, &device()).unwrap());
+    }
+}
+
+#[test]
+fn every_mhc_gradient_matches_finite_differences() {
+    let config = MhcConfig::new(4)
+        .with_streams(3)
+        .with_sinkhorn_iterations(5);
+    every_parameter_matches("mHC", config.init(BLOCKS, &device()).unwrap());
+}
+
+#[test]
+fn every_dwa_weight_gradient_matches_finite_differences() {
+    for (dilation, period) in [(1, 1), (2, 1), (1, 2)] {
+        let config = DenseFormerConfig::new()
+            .with_dilation(dilation)
+            .with_period(period);
+        let name = format!("DWA dilation {dilation} period {period}");
+        every_parameter_matches(&name, config.init(BLOCKS, &device()).unwrap());
     }
 }

@@ -3,7 +3,9 @@
 //!
 //! * `stack{12,24}`: pre-LN MLP blocks `LN → Linear(d, 4d) → GELU → Linear(4d, d)` on
 //!   `[B, T, d] = [8, 128, 256]`, wired as a plain residual loop (`x += f(x)`, written by hand:
-//!   the baseline), H-ACN (also with frozen gates), ANCRe, or the HyperZZW connectivity. `forward` runs the stack;
+//!   the baseline), H-ACN (also with frozen gates), ANCRe, the HyperZZW connectivity,
+//!   hyper-connections (`hc`, n = 4, dynamic), mHC (n = 4, 20 Sinkhorn iterations) or DenseFormer's
+//!   DWA (`dwa`, dilation 1 and period 1: an average after every block). `forward` runs the stack;
 //!   `train_step` runs forward and backward of the mean output (gradients of every parameter,
 //!   no optimiser update, which costs the same for every variant).
 //! * `gconv{256,1024,4096}`: global HyperZZW `conv(Z, Z ⊙ K)` on `[B, C, T] = [8, 64, T]`, by FFT
@@ -17,7 +19,8 @@ use burn_connectivity::hyperzzw::{
     Crop, HyperZzwConnectivity, HyperZzwConnectivityConfig, direct_conv_1d, global_hyperzzw_1d,
 };
 use burn_connectivity::{
-    Ancre, AncreConfig, Block, Hacn, HacnConfig, MlpBlock, MlpBlockConfig, Stack,
+    Ancre, AncreConfig, Block, DenseFormer, DenseFormerConfig, Hacn, HacnConfig, HyperConnections,
+    HyperConnectionsConfig, Mhc, MhcConfig, MlpBlock, MlpBlockConfig, Stack,
 };
 
 pub const BATCH: usize = 8;
@@ -36,15 +39,21 @@ pub enum Variant {
     HacnFrozen,
     Ancre,
     HyperZzw,
+    Hc,
+    Mhc,
+    Dwa,
 }
 
 impl Variant {
-    pub const ALL: [Variant; 5] = [
+    pub const ALL: [Variant; 8] = [
         Self::Residual,
         Self::Hacn,
         Self::HacnFrozen,
         Self::Ancre,
         Self::HyperZzw,
+        Self::Hc,
+        Self::Mhc,
+        Self::Dwa,
     ];
 
     pub fn name(self) -> &'static str {
@@ -54,6 +63,9 @@ impl Variant {
             Self::HacnFrozen => "hacn_frozen",
             Self::Ancre => "ancre",
             Self::HyperZzw => "hyperzzw",
+            Self::Hc => "hc",
+            Self::Mhc => "mhc",
+            Self::Dwa => "dwa",
         }
     }
 }
@@ -70,6 +82,9 @@ pub enum Model {
     Hacn(Stack<MlpBlock, Hacn>),
     Ancre(Stack<MlpBlock, Ancre>),
     HyperZzw(Stack<MlpBlock, HyperZzwConnectivity>),
+    Hc(Stack<MlpBlock, HyperConnections>),
+    Mhc(Stack<MlpBlock, Mhc>),
+    Dwa(Stack<MlpBlock, DenseFormer>),
 }
 
 impl Model {
@@ -94,6 +109,17 @@ impl Model {
                 let config = HyperZzwConnectivityConfig::new(WIDTH, LENGTH);
                 Self::HyperZzw(Stack::new(blocks, &config, device).expect(wired))
             }
+            Variant::Hc => {
+                let config = HyperConnectionsConfig::new(WIDTH).with_streams(4);
+                Self::Hc(Stack::new(blocks, &config, device).expect(wired))
+            }
+            Variant::Mhc => {
+                let config = MhcConfig::new(WIDTH).with_streams(4);
+                Self::Mhc(Stack::new(blocks, &config, device).expect(wired))
+            }
+            Variant::Dwa => {
+                Self::Dwa(Stack::new(blocks, &DenseFormerConfig::new(), device).expect(wired))
+            }
         }
     }
 
@@ -105,6 +131,9 @@ impl Model {
             Self::Hacn(stack) => stack.forward(input),
             Self::Ancre(stack) => stack.forward(input),
             Self::HyperZzw(stack) => stack.forward(input),
+            Self::Hc(stack) => stack.forward(input),
+            Self::Mhc(stack) => stack.forward(input),
+            Self::Dwa(stack) => stack.forward(input),
         }
     }
 

@@ -14,8 +14,9 @@ use burn_connectivity::hyperzzw::{
     Crop, LocalHyperZzw, SRenorm, SlowNet, direct_conv_1d, global_hyperzzw_1d, global_hyperzzw_2d,
 };
 use burn_connectivity::{
-    AncreConfig, AncreInit, Block, Connectivity, ConnectivityConfig, DepthLnConfig, GateInit,
-    HacnConfig, Stack,
+    AncreConfig, AncreInit, Block, Connectivity, ConnectivityConfig, DenseFormerConfig,
+    DepthLnConfig, GateInit, HacnConfig, HyperConnectionsConfig, MhcConfig, Stack,
+    StreamConnectivity, StreamReduce, sinkhorn_knopp,
 };
 
 /// Absolute tolerance for forward values (f32).
@@ -61,11 +62,14 @@ pub struct Golden {
 type Checker = fn(&Golden, &Device) -> Result<Vec<Check>, String>;
 
 /// The golden files this runner knows, and the checks of each.
-pub const KNOWN_FILES: [(&str, Checker); 4] = [
+pub const KNOWN_FILES: [(&str, Checker); 7] = [
     ("hacn.safetensors", check_hacn),
     ("depth_ln.safetensors", check_depth_ln),
     ("ancre.safetensors", check_ancre),
     ("hyperzzw.safetensors", check_hyperzzw),
+    ("hc.safetensors", check_hc),
+    ("mhc.safetensors", check_mhc),
+    ("dwa.safetensors", check_dwa),
 ];
 
 /// Runs the checks of every known golden file present in `dir`.
@@ -549,6 +553,397 @@ pub fn check_depth_ln(golden: &Golden, device: &Device) -> Result<Vec<Check>, St
         norm.norm.gamma = Param::from_tensor(gamma.clone());
         norm.norm.beta = Some(Param::from_tensor(beta.clone()));
         checks.push(golden.compare_tensor(&key, norm.forward(input.clone()), VALUE_TOLERANCE)?);
+    }
+    Ok(checks)
+}
+
+/// The multi-stream and dense files' tolerances are relative to the reference's scale
+/// (tests/golden/README.md): `base · max(1, max|reference|)`.
+fn relative_tolerance(golden: &Golden, key: &str, base: f64) -> Result<f64, String> {
+    let largest = golden
+        .values(key)?
+        .iter()
+        .fold(1.0_f64, |max, v| max.max(v.abs()));
+    Ok(base * largest)
+}
+
+impl Golden {
+    /// Compares `actual` (whatever its rank, with the golden tensor's element count) with the
+    /// golden tensor `key`, within `base` relative to the reference's scale.
+    fn compare_relative<const D: usize>(
+        &self,
+        key: &str,
+        actual: Tensor<D>,
+        base: f64,
+    ) -> Result<Check, String> {
+        let shape = self.entry(key)?.0.clone();
+        let values: Vec<f64> = actual.into_data().iter::<f64>().collect();
+        let shape_of_actual = if values.len() == shape.iter().product::<usize>() {
+            shape.clone()
+        } else {
+            vec![values.len()]
+        };
+        let tolerance = relative_tolerance(self, key, base)?;
+        self.compare(key, values, &shape_of_actual, tolerance)
+    }
+
+    /// The parameter `key` (whatever its stored rank, `[]` included) as a rank-`D` tensor of
+    /// `shape`.
+    fn param<const D: usize>(
+        &self,
+        key: &str,
+        shape: [usize; D],
+        device: &Device,
+    ) -> Result<Param<Tensor<D>>, String> {
+        let values = self.entry(key)?.1.clone();
+        if values.len() != shape.iter().product::<usize>() {
+            return Err(format!(
+                "{}: `{key}` does not hold {shape:?} values",
+                self.name
+            ));
+        }
+        Ok(Param::from_tensor(Tensor::from_data(
+            TensorData::new(values, shape),
+            device,
+        )))
+    }
+
+    fn meta_text(&self, key: &str) -> Result<&str, String> {
+        self.metadata
+            .get(key)
+            .map(String::as_str)
+            .ok_or_else(|| format!("{}: missing metadata `{key}`", self.name))
+    }
+
+    /// The stream reduction the file was made with.
+    fn reduce(&self) -> Result<StreamReduce, String> {
+        match self.meta_text("reduce")? {
+            "sum" => Ok(StreamReduce::Sum),
+            "mean" => Ok(StreamReduce::Mean),
+            other => Err(format!("{}: unknown reduce `{other}`", self.name)),
+        }
+    }
+
+    /// The golden blocks under `{prefix}blocks`, as many as the `blocks` metadata says.
+    fn blocks(&self, prefix: &str, device: &Device) -> Result<Vec<TanhBlock>, String> {
+        let blocks = tanh_blocks(self, &format!("{prefix}blocks"), device)?;
+        let expected = self.meta_number("blocks")?;
+        if blocks.len() as f64 != expected {
+            return Err(format!(
+                "{}: {} blocks for {expected}",
+                self.name,
+                blocks.len()
+            ));
+        }
+        Ok(blocks)
+    }
+}
+
+/// The gradients of every block weight and of the input.
+fn block_and_input_grads(
+    golden: &Golden,
+    prefix: &str,
+    blocks: &[TanhBlock],
+    input: &Tensor<3>,
+    grads: &burn::tensor::Gradients,
+) -> Result<Vec<Check>, String> {
+    let mut checks = Vec::new();
+    let grad = input.grad(grads).ok_or("the input got no gradient")?;
+    let key = format!("{prefix}grad.input");
+    checks.push(golden.compare_relative(&key, grad, GRADIENT_TOLERANCE)?);
+    for (j, block) in blocks.iter().enumerate() {
+        let key = format!("{prefix}grad.blocks.{j}.weight");
+        let grad = block
+            .linear
+            .weight
+            .val()
+            .grad(grads)
+            .ok_or_else(|| format!("block {j} got no gradient"))?;
+        checks.push(golden.compare_relative(&key, grad, GRADIENT_TOLERANCE)?);
+    }
+    Ok(checks)
+}
+
+/// Output, streams and readout of a multi-stream stack, and the loss `sum(y · probe)`.
+fn multi_stream_outputs<
+    C: StreamConnectivity<3, State = burn_connectivity::MultiStreamState<3>>,
+>(
+    golden: &Golden,
+    stack: &Stack<TanhBlock, C>,
+    input: &Tensor<3>,
+    probe: Tensor<3>,
+) -> Result<(Vec<Check>, burn::tensor::Gradients), String> {
+    let state = stack
+        .run(input.clone(), stack.num_blocks(), &())
+        .map_err(|err| err.to_string())?;
+    let y = stack.connectivity.output(&state);
+    let grads = (y.clone() * probe).sum().backward();
+    let readout: Tensor<4> = Tensor::stack(stack.readout(input.clone()), 0);
+    let checks = vec![
+        golden.compare_relative("out.y", y, VALUE_TOLERANCE)?,
+        golden.compare_relative("out.streams", state.units, VALUE_TOLERANCE)?,
+        golden.compare_relative("out.readout", readout, VALUE_TOLERANCE)?,
+    ];
+    Ok((checks, grads))
+}
+
+/// Hyper-connections (lucidrains' package): output, streams, readout and the gradients of the
+/// input, the blocks and every connection parameter.
+pub fn check_hc(golden: &Golden, device: &Device) -> Result<Vec<Check>, String> {
+    let device = device.clone().autodiff();
+    if golden.meta_text("expand")? != "copy" {
+        return Err("hc: only `expand = copy` is known".into());
+    }
+    let streams = golden.meta_number("streams")? as usize;
+    let input = golden.tensor::<3>("input", &device)?.require_grad();
+    let probe = golden.tensor::<3>("probe", &device)?;
+    let width = input.dims()[2];
+    let blocks = golden.blocks("", &device)?;
+    let config = HyperConnectionsConfig::new(width)
+        .with_streams(streams)
+        .with_reduce(golden.reduce()?);
+    let mut hc = config
+        .init(blocks.len(), &device)
+        .map_err(|err| err.to_string())?;
+    let columns = streams + 1;
+    for (j, layer) in hc.layers.iter_mut().enumerate() {
+        let key = |name: &str| format!("layers.{j}.{name}");
+        layer.static_alpha = golden.param(&key("static_alpha"), [streams, columns], &device)?;
+        layer.static_beta = golden.param(&key("static_beta"), [streams], &device)?;
+        let dynamic = layer.dynamic.as_mut().ok_or("hc: a dynamic layer")?;
+        dynamic.dynamic_alpha_fn =
+            golden.param(&key("dynamic_alpha_fn"), [width, columns], &device)?;
+        dynamic.dynamic_alpha_scale = golden.param(&key("dynamic_alpha_scale"), [1], &device)?;
+        dynamic.dynamic_beta_fn = golden.param(&key("dynamic_beta_fn"), [width], &device)?;
+        dynamic.dynamic_beta_scale = golden.param(&key("dynamic_beta_scale"), [1], &device)?;
+        dynamic.norm_gamma = golden.param(&key("norm.gamma"), [width], &device)?;
+    }
+    let stack = Stack::from_parts(blocks, hc).map_err(|err| err.to_string())?;
+    let (mut checks, grads) = multi_stream_outputs(golden, &stack, &input, probe)?;
+    checks.extend(block_and_input_grads(
+        golden,
+        "",
+        &stack.blocks,
+        &input,
+        &grads,
+    )?);
+    for (j, layer) in stack.connectivity.layers.iter().enumerate() {
+        let dynamic = layer.dynamic.as_ref().ok_or("hc: a dynamic layer")?;
+        let params = [
+            (
+                "static_alpha",
+                layer
+                    .static_alpha
+                    .val()
+                    .grad(&grads)
+                    .map(|g| g.reshape([-1])),
+            ),
+            ("static_beta", layer.static_beta.val().grad(&grads)),
+            (
+                "dynamic_alpha_fn",
+                dynamic
+                    .dynamic_alpha_fn
+                    .val()
+                    .grad(&grads)
+                    .map(|g| g.reshape([-1])),
+            ),
+            (
+                "dynamic_alpha_scale",
+                dynamic.dynamic_alpha_scale.val().grad(&grads),
+            ),
+            (
+                "dynamic_beta_fn",
+                dynamic.dynamic_beta_fn.val().grad(&grads),
+            ),
+            (
+                "dynamic_beta_scale",
+                dynamic.dynamic_beta_scale.val().grad(&grads),
+            ),
+            ("norm.gamma", dynamic.norm_gamma.val().grad(&grads)),
+        ];
+        for (name, grad) in params {
+            let grad = grad.ok_or_else(|| format!("hc: layer {j} {name} got no gradient"))?;
+            checks.push(golden.compare_relative(
+                &format!("grad.layers.{j}.{name}"),
+                grad,
+                GRADIENT_TOLERANCE,
+            )?);
+        }
+    }
+    Ok(checks)
+}
+
+/// mHC: output, streams, readout, the last block's `H_pre`, `H_post`, `H_res`, the gradients,
+/// and Sinkhorn-Knopp alone with its gradient.
+pub fn check_mhc(golden: &Golden, device: &Device) -> Result<Vec<Check>, String> {
+    let device = device.clone().autodiff();
+    if golden.meta_text("expand")? != "copy" {
+        return Err("mhc: only `expand = copy` is known".into());
+    }
+    let eps = golden.meta_number("eps")?;
+    if (eps - burn_connectivity::mhc::MHC_EPS).abs() > 1e-12 {
+        return Err(format!(
+            "mhc: eps {eps}, the crate uses {}",
+            burn_connectivity::mhc::MHC_EPS
+        ));
+    }
+    let streams = golden.meta_number("streams")? as usize;
+    let iterations = golden.meta_number("sinkhorn_iters")? as usize;
+    let input = golden.tensor::<3>("input", &device)?.require_grad();
+    let probe = golden.tensor::<3>("probe", &device)?;
+    let width = input.dims()[2];
+    let blocks = golden.blocks("", &device)?;
+    let config = MhcConfig::new(width)
+        .with_streams(streams)
+        .with_sinkhorn_iterations(iterations)
+        .with_reduce(golden.reduce()?);
+    let mut mhc = config
+        .init(blocks.len(), &device)
+        .map_err(|err| err.to_string())?;
+    let outputs = streams * streams + 2 * streams;
+    for (j, layer) in mhc.layers.iter_mut().enumerate() {
+        let key = |name: &str| format!("layers.{j}.{name}");
+        layer.phi = golden.param(&key("phi"), [streams * width, outputs], &device)?;
+        layer.alpha_pre = golden.param(&key("alpha_pre"), [1], &device)?;
+        layer.alpha_post = golden.param(&key("alpha_post"), [1], &device)?;
+        layer.alpha_res = golden.param(&key("alpha_res"), [1], &device)?;
+        layer.bias = golden.param(&key("bias"), [outputs], &device)?;
+    }
+    let stack = Stack::from_parts(blocks, mhc).map_err(|err| err.to_string())?;
+    let (mut checks, grads) = multi_stream_outputs(golden, &stack, &input, probe)?;
+    checks.extend(block_and_input_grads(
+        golden,
+        "",
+        &stack.blocks,
+        &input,
+        &grads,
+    )?);
+    for (j, layer) in stack.connectivity.layers.iter().enumerate() {
+        let params = [
+            ("phi", layer.phi.val().grad(&grads).map(|g| g.reshape([-1]))),
+            ("alpha_pre", layer.alpha_pre.val().grad(&grads)),
+            ("alpha_post", layer.alpha_post.val().grad(&grads)),
+            ("alpha_res", layer.alpha_res.val().grad(&grads)),
+            ("bias", layer.bias.val().grad(&grads)),
+        ];
+        for (name, grad) in params {
+            let grad = grad.ok_or_else(|| format!("mhc: layer {j} {name} got no gradient"))?;
+            checks.push(golden.compare_relative(
+                &format!("grad.layers.{j}.{name}"),
+                grad,
+                GRADIENT_TOLERANCE,
+            )?);
+        }
+    }
+
+    let last = stack.num_blocks() - 1;
+    let before_last = stack
+        .run(input.clone(), last, &())
+        .map_err(|err| err.to_string())?;
+    let connections = stack
+        .connectivity
+        .connections(last, &before_last)
+        .map_err(|err| err.to_string())?;
+    checks.push(golden.compare_relative("out.last.h_pre", connections.pre, VALUE_TOLERANCE)?);
+    checks.push(golden.compare_relative("out.last.h_post", connections.post, VALUE_TOLERANCE)?);
+    checks.push(golden.compare_relative("out.last.h_res", connections.res, VALUE_TOLERANCE)?);
+
+    let logits = golden
+        .tensor::<3>("sinkhorn.logits", &device)?
+        .require_grad();
+    let sinkhorn = sinkhorn_knopp(logits.clone(), iterations).map_err(|err| err.to_string())?;
+    let grads = (sinkhorn.clone() * golden.tensor::<3>("sinkhorn.probe", &device)?)
+        .sum()
+        .backward();
+    checks.push(golden.compare_relative("sinkhorn.out", sinkhorn, VALUE_TOLERANCE)?);
+    let grad = logits
+        .grad(&grads)
+        .ok_or("mhc: the Sinkhorn logits got no gradient")?;
+    checks.push(golden.compare_relative("sinkhorn.grad", grad, GRADIENT_TOLERANCE)?);
+    Ok(checks)
+}
+
+/// `dense` is dilation 1, period 1; `d{δ}p{p}` is dilation δ, period p.
+fn dwa_variant(prefix: &str) -> Option<(usize, usize)> {
+    if prefix == "dense" {
+        return Some((1, 1));
+    }
+    let (dilation, period) = prefix.strip_prefix('d')?.split_once('p')?;
+    Some((dilation.parse().ok()?, period.parse().ok()?))
+}
+
+/// DenseFormer DWA, every variant in the file: output, readout and the gradients of the input,
+/// the blocks and every weight vector.
+pub fn check_dwa(golden: &Golden, device: &Device) -> Result<Vec<Check>, String> {
+    let device = device.clone().autodiff();
+    let mut prefixes: Vec<String> = golden
+        .tensors
+        .keys()
+        .filter_map(|key| key.strip_suffix(".out.y").map(str::to_string))
+        .collect();
+    prefixes.sort();
+    if prefixes.is_empty() {
+        return Err("dwa: no `{prefix}.out.y`".into());
+    }
+    let mut checks = Vec::new();
+    for name in prefixes {
+        let (dilation, period) =
+            dwa_variant(&name).ok_or_else(|| format!("dwa: unknown variant `{name}`"))?;
+        let prefix = format!("{name}.");
+        let input = golden
+            .tensor::<3>(&format!("{prefix}input"), &device)?
+            .require_grad();
+        let probe = golden.tensor::<3>(&format!("{prefix}probe"), &device)?;
+        let blocks = golden.blocks(&prefix, &device)?;
+        let config = DenseFormerConfig::new()
+            .with_dilation(dilation)
+            .with_period(period);
+        let mut dwa = config
+            .init(blocks.len(), &device)
+            .map_err(|err| err.to_string())?;
+        let averaged: Vec<usize> = dwa.weight_values().into_iter().map(|(i, _)| i).collect();
+        for (alpha, i) in dwa.alphas.iter_mut().zip(&averaged) {
+            *alpha = golden.param(&format!("{prefix}alphas.{i}"), alpha.dims(), &device)?;
+        }
+        let stack = Stack::from_parts(blocks, dwa).map_err(|err| err.to_string())?;
+        let y = stack.forward(input.clone());
+        let grads = (y.clone() * probe).sum().backward();
+        checks.push(golden.compare_relative(&format!("{prefix}out.y"), y, VALUE_TOLERANCE)?);
+        let readout: Tensor<4> = Tensor::stack(stack.readout(input.clone()), 0);
+        checks.push(golden.compare_relative(
+            &format!("{prefix}out.readout"),
+            readout,
+            VALUE_TOLERANCE,
+        )?);
+        checks.extend(block_and_input_grads(
+            golden,
+            &prefix,
+            &stack.blocks,
+            &input,
+            &grads,
+        )?);
+        for (alpha, i) in stack.connectivity.alphas.iter().zip(&averaged) {
+            let grad = alpha
+                .val()
+                .grad(&grads)
+                .ok_or_else(|| format!("dwa: alphas.{i} got no gradient"))?;
+            checks.push(golden.compare_relative(
+                &format!("{prefix}grad.alphas.{i}"),
+                grad,
+                GRADIENT_TOLERANCE,
+            )?);
+        }
+        let golden_averages = golden
+            .tensors
+            .keys()
+            .filter(|key| key.starts_with(&format!("{prefix}alphas.")))
+            .count();
+        if golden_averages != averaged.len() {
+            return Err(format!(
+                "dwa: `{name}` has {golden_averages} weight vectors, dilation {dilation} and period {period} give {}",
+                averaged.len()
+            ));
+        }
     }
     Ok(checks)
 }

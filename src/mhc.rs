@@ -1,0 +1,547 @@
+//! mHC: manifold-constrained hyper-connections (DeepSeek, arXiv 2512.24880, eqs. 14–19, as
+//! NVIDIA Megatron-LM computes them; SPEC §5.2).
+//!
+//! `n` streams of width `C` per token, `S` (`n × C`), flattened stream-major into `x = vec(S)`.
+//! Block `j` has `φ` (`nC × (n²+2n)`), scalars `α_pre, α_post, α_res` and a bias `b`; `ε = 1e-6`:
+//!
+//! ```text
+//! r      = 1 / (‖x‖₂ / √(nC) + ε)
+//! H~     = r · (x φ) ⊙ [α_pre (n times), α_post (n times), α_res (n² times)] + b
+//! H_pre  = σ(H~[0:n]) + ε          H_post = 2 σ(H~[n:2n])
+//! H_res  = SK(H~[2n:] as n × n)     (row-major: H_res[i][k] = H~[2n + i·n + k])
+//! u      = Σ_k H_pre[k] S_k,   h = f_j(u)
+//! S'_i   = Σ_k H_res[k][i] S_k + H_post[i] h
+//! y      = (1/n) Σ_k S_k            (option: the sum)
+//! ```
+//!
+//! `SK` is Sinkhorn-Knopp ([`sinkhorn_knopp`]): a row softmax, then alternating column and row
+//! normalisations, differentiated through; `H_res` is (close to) doubly stochastic, so the
+//! residual mixing neither amplifies nor attenuates the streams on average.
+//!
+//! **Decision (init, SPEC §5.2)**: `φ ~ N(0, σ = 1e-4)` ([`MhcConfig::phi_std`]), `α_* = 0.01`,
+//! `b_pre = −ln(n−1)` (`H_pre = 1/n`; 0 when `n = 1`, i.e. `H_pre = ½`), `b_post = 0`
+//! (`H_post = 1`), `b_res = 5 (I − 1)` (`H_res ≈ I`): the stack starts within ~1e-2 of ResNet.
+//!
+//! **The matrix `C`.** The connections depend on the tokens. [`matrix`] reports the connections
+//! of a token whose streams vanish (`x = 0`: `H~ = b`), the static part, through the recursion
+//! of the streams; [`Mhc::connections`] gives the exact per-token connections of a batch.
+//!
+//! [`matrix`]: Connectivity::matrix
+
+use burn::module::Param;
+use burn::prelude::*;
+use burn::tensor::Distribution;
+use burn::tensor::activation::{sigmoid, softmax};
+
+use crate::connectivity::{Connectivity, ConnectivityConfig, StreamConnectivity};
+use crate::error::{Error, Result, check_depth, check_non_negative, check_size};
+use crate::hyper_connections::check_width;
+use crate::matrix::ConnectivityMatrix;
+use crate::multi_stream::{
+    self, Layout, Mixing, MixingLayer, MultiStreamState, StaticMixing, StreamReduce,
+};
+
+/// The `ε` of mHC and of its Sinkhorn-Knopp normalisation.
+pub const MHC_EPS: f64 = 1e-6;
+
+/// Sinkhorn-Knopp over the last two axes of `logits` (any leading axes are a batch), as mHC
+/// computes it:
+///
+/// ```text
+/// M = softmax over each row of Z + ε
+/// M = M / (column sums + ε)
+/// iterations − 1 times:  M = M / (row sums + ε);  M = M / (column sums + ε)
+/// ```
+///
+/// The result is a (nearly) doubly stochastic matrix: exactly column-stochastic up to `ε`, rows
+/// closer to 1 with every iteration. Differentiable (the gradient flows through every
+/// iteration).
+///
+/// # Errors
+/// [`Error::OutOfRange`] for zero iterations, [`Error::ShapeMismatch`] unless `D >= 2` and the
+/// last two axes are square.
+pub fn sinkhorn_knopp<const D: usize>(logits: Tensor<D>, iterations: usize) -> Result<Tensor<D>> {
+    check_size("Sinkhorn-Knopp iterations", iterations)?;
+    let dims = logits.dims();
+    if D < 2 || dims[D - 1] != dims[D - 2] {
+        let found = dims.to_vec();
+        let mut expected = found.clone();
+        if let Some(last) = expected.last_mut() {
+            *last = dims[D.saturating_sub(2)];
+        }
+        return Err(Error::ShapeMismatch {
+            name: "Sinkhorn-Knopp logits (square in the last two axes)".into(),
+            expected,
+            found,
+        });
+    }
+    Ok(sinkhorn_unchecked(logits, iterations))
+}
+
+fn sinkhorn_unchecked<const D: usize>(logits: Tensor<D>, iterations: usize) -> Tensor<D> {
+    let (rows, columns) = (D - 1, D - 2);
+    let normalise =
+        |matrix: Tensor<D>, axis: usize| matrix.clone() / matrix.sum_dim(axis).add_scalar(MHC_EPS);
+    let mut matrix = normalise(softmax(logits, rows).add_scalar(MHC_EPS), columns);
+    for _ in 1..iterations {
+        matrix = normalise(normalise(matrix, rows), columns);
+    }
+    matrix
+}
+
+/// Configuration of [`Mhc`].
+#[derive(Config, Debug)]
+pub struct MhcConfig {
+    /// The width `C` of the stack's streams (the last axis).
+    pub width: usize,
+    /// Number of streams `n`.
+    #[config(default = 4)]
+    pub streams: usize,
+    /// Sinkhorn-Knopp iterations (Megatron-LM's default: 20).
+    #[config(default = 20)]
+    pub sinkhorn_iterations: usize,
+    /// Standard deviation of the initial `φ`.
+    #[config(default = 1e-4)]
+    pub phi_std: f64,
+    /// Initial `α_pre`, `α_post`, `α_res`.
+    #[config(default = 0.01)]
+    pub alpha_init: f64,
+    /// How the streams make the output: their mean (default) or their sum.
+    #[config(default = "StreamReduce::Mean")]
+    pub reduce: StreamReduce,
+}
+
+impl ConnectivityConfig for MhcConfig {
+    type Connectivity = Mhc;
+
+    fn init(&self, num_blocks: usize, device: &Device) -> Result<Mhc> {
+        if num_blocks == 0 {
+            return Err(Error::NoBlocks);
+        }
+        check_size("mHC streams", self.streams)?;
+        check_size("mHC width", self.width)?;
+        check_size("Sinkhorn-Knopp iterations", self.sinkhorn_iterations)?;
+        check_non_negative("mHC phi std", self.phi_std)?;
+        crate::error::check_finite("mHC alpha init", self.alpha_init)?;
+        let layers = (0..num_blocks)
+            .map(|_| MhcLayer::new(self, device))
+            .collect();
+        Ok(Mhc {
+            layers,
+            width: self.width,
+            streams: self.streams,
+            sinkhorn_iterations: self.sinkhorn_iterations,
+            reduce: self.reduce,
+        })
+    }
+}
+
+/// The parameters of one mHC block (record names as in the golden file).
+#[derive(Module, Debug)]
+pub struct MhcLayer {
+    /// `φ`, `[nC, n² + 2n]`.
+    pub phi: Param<Tensor<2>>,
+    /// `α_pre`, `[1]`.
+    pub alpha_pre: Param<Tensor<1>>,
+    /// `α_post`, `[1]`.
+    pub alpha_post: Param<Tensor<1>>,
+    /// `α_res`, `[1]`.
+    pub alpha_res: Param<Tensor<1>>,
+    /// `b = [b_pre, b_post, b_res]`, `[n² + 2n]`.
+    pub bias: Param<Tensor<1>>,
+}
+
+/// The connections of one mHC block for a batch of tokens.
+#[derive(Debug, Clone)]
+pub struct MhcConnections {
+    /// `H_pre`, `[tokens, n]`.
+    pub pre: Tensor<2>,
+    /// `H_post`, `[tokens, n]`.
+    pub post: Tensor<2>,
+    /// `H_res`, `[tokens, n, n]` (entry `[k][i]`: weight of stream `k` in the new stream `i`).
+    pub res: Tensor<3>,
+}
+
+impl MhcLayer {
+    fn new(config: &MhcConfig, device: &Device) -> Self {
+        let n = config.streams;
+        let outputs = n * n + 2 * n;
+        let pre = if n > 1 { -((n - 1) as f64).ln() } else { 0.0 };
+        let mut bias = vec![pre; n];
+        bias.extend(std::iter::repeat_n(0.0, n));
+        bias.extend((0..n * n).map(|k| if k / n == k % n { 0.0 } else { -5.0 }));
+        let alpha = || Param::from_tensor(Tensor::full([1], config.alpha_init, device));
+        Self {
+            phi: Param::from_tensor(Tensor::random(
+                [n * config.width, outputs],
+                Distribution::Normal(0.0, config.phi_std),
+                device,
+            )),
+            alpha_pre: alpha(),
+            alpha_post: alpha(),
+            alpha_res: alpha(),
+            bias: Param::from_tensor(Tensor::from_data(TensorData::new(bias, [outputs]), device)),
+        }
+    }
+
+    /// `H_pre`, `H_post`, `H_res` for the streams `[tokens, n, C]`.
+    pub fn connections(&self, streams: &Tensor<3>, iterations: usize) -> MhcConnections {
+        let [tokens, n, width] = streams.dims();
+        let flat = streams.clone().reshape([tokens, n * width]);
+        let rms = flat.clone().square().mean_dim(1).sqrt();
+        let scale = Tensor::cat(
+            vec![
+                self.alpha_pre.val().expand([n]),
+                self.alpha_post.val().expand([n]),
+                self.alpha_res.val().expand([n * n]),
+            ],
+            0,
+        )
+        .unsqueeze::<2>();
+        let mixed = flat.matmul(self.phi.val()) / rms.add_scalar(MHC_EPS) * scale
+            + self.bias.val().unsqueeze::<2>();
+        let pre = sigmoid(mixed.clone().narrow(1, 0, n)).add_scalar(MHC_EPS);
+        let post = sigmoid(mixed.clone().narrow(1, n, n)).mul_scalar(2.0);
+        let res = sinkhorn_unchecked(
+            mixed.narrow(1, 2 * n, n * n).reshape([tokens, n, n]),
+            iterations,
+        );
+        MhcConnections { pre, post, res }
+    }
+}
+
+struct MhcMixing<'a> {
+    layer: &'a MhcLayer,
+    iterations: usize,
+}
+
+impl MixingLayer for MhcMixing<'_> {
+    fn mixing(&self, units: &Tensor<3>) -> Mixing {
+        let [tokens, n, _] = units.dims();
+        let MhcConnections { pre, post, res } = self.layer.connections(units, self.iterations);
+        Mixing {
+            input: pre.reshape([tokens, 1, n]),
+            residual: res.swap_dims(1, 2),
+            beta: post.reshape([tokens, n, 1]),
+        }
+    }
+}
+
+/// Manifold-constrained hyper-connections (see the [module docs](self)).
+#[derive(Module, Debug)]
+pub struct Mhc {
+    /// The parameters of every block.
+    pub layers: Vec<MhcLayer>,
+    /// The stream width `C`.
+    pub width: usize,
+    /// The number of streams `n`.
+    pub streams: usize,
+    /// Sinkhorn-Knopp iterations.
+    pub sinkhorn_iterations: usize,
+    /// How the streams make the output.
+    #[module(skip)]
+    pub reduce: StreamReduce,
+}
+
+/// How far residual mixing matrices are from the identity and from doubly stochastic.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ResidualMixingHealth {
+    /// Largest `|H_res[k][i] − δ_ki|`.
+    pub distance_from_identity: f64,
+    /// Largest `|Σ_k H_res[k][i] − 1|` or `|Σ_i H_res[k][i] − 1|`.
+    pub distance_from_doubly_stochastic: f64,
+}
+
+impl ResidualMixingHealth {
+    /// Over a batch of matrices `[tokens, n, n]` (the largest distance of any of them).
+    pub fn of(res: Tensor<3>) -> Self {
+        let [_, n, _] = res.dims();
+        let device = res.device();
+        let identity = Tensor::<2>::eye(n, &device).unsqueeze::<3>();
+        let largest = |tensor: Tensor<3>| tensor.abs().max().into_scalar::<f64>();
+        let rows = res.clone().sum_dim(2).sub_scalar(1.0);
+        let columns = res.clone().sum_dim(1).sub_scalar(1.0);
+        Self {
+            distance_from_identity: largest(res - identity),
+            distance_from_doubly_stochastic: largest(rows).max(largest(columns)),
+        }
+    }
+}
+
+impl Mhc {
+    fn layout(&self) -> Layout {
+        Layout {
+            streams: self.streams,
+            fractions: 1,
+        }
+    }
+
+    fn mixing(&self, block: usize) -> Option<MhcMixing<'_>> {
+        self.layers.get(block).map(|layer| MhcMixing {
+            layer,
+            iterations: self.sinkhorn_iterations,
+        })
+    }
+
+    /// Block `block`'s connections for the streams of `state` (taken before that block).
+    ///
+    /// # Errors
+    /// [`Error::DepthOutOfRange`] unless `block < num_blocks()`.
+    pub fn connections<const D: usize>(
+        &self,
+        block: usize,
+        state: &MultiStreamState<D>,
+    ) -> Result<MhcConnections> {
+        check_depth(block + 1, 1, self.layers.len())?;
+        Ok(self.layers[block].connections(&state.units, self.sinkhorn_iterations))
+    }
+
+    /// The static part of every block's connections: those of a token whose streams vanish.
+    pub fn static_connections(&self) -> Vec<MhcConnections> {
+        let device = self.layers[0].bias.device();
+        let zero = Tensor::zeros([1, self.streams, self.width], &device);
+        self.layers
+            .iter()
+            .map(|layer| layer.connections(&zero, self.sinkhorn_iterations))
+            .collect()
+    }
+
+    /// Per block, the health of the static residual mixing `SK(b_res)`.
+    pub fn residual_health(&self) -> Vec<ResidualMixingHealth> {
+        self.static_connections()
+            .into_iter()
+            .map(|connections| ResidualMixingHealth::of(connections.res))
+            .collect()
+    }
+}
+
+impl Connectivity for Mhc {
+    fn num_blocks(&self) -> usize {
+        self.layers.len()
+    }
+
+    /// The static part (`H~ = b`); see the [module docs](self).
+    fn matrix(&self) -> ConnectivityMatrix {
+        let layers: Vec<StaticMixing> = self
+            .static_connections()
+            .into_iter()
+            .map(|MhcConnections { pre, post, res }| {
+                let n = self.streams;
+                StaticMixing::from_mixing(Mixing {
+                    input: pre.reshape([1, 1, n]),
+                    residual: res.swap_dims(1, 2),
+                    beta: post.reshape([1, n, 1]),
+                })
+            })
+            .collect();
+        multi_stream::static_matrix(&layers, self.layout(), self.reduce)
+    }
+
+    fn truncated(&self, depth: usize) -> Result<Self> {
+        check_depth(depth, 1, self.num_blocks())?;
+        Ok(Self {
+            layers: self.layers[..depth].to_vec(),
+            ..self.clone()
+        })
+    }
+
+    fn check_input(&self, dims: &[usize]) -> Result<()> {
+        check_width("mHC", self.width, dims)
+    }
+}
+
+impl<const D: usize> StreamConnectivity<D> for Mhc {
+    type State = MultiStreamState<D>;
+
+    fn start(&self, input: Tensor<D>) -> MultiStreamState<D> {
+        let first = self.mixing(0).expect("at least one block");
+        multi_stream::start(input, self.layout(), &first)
+    }
+
+    /// `u`; after the last block, the output (there is no block left to feed).
+    fn block_input(&self, state: &MultiStreamState<D>) -> Tensor<D> {
+        multi_stream::block_input(state).unwrap_or_else(|| self.output(state))
+    }
+
+    fn step(
+        &self,
+        state: MultiStreamState<D>,
+        block: usize,
+        branch: Tensor<D>,
+    ) -> MultiStreamState<D> {
+        multi_stream::step(state, branch, self.mixing(block + 1).as_ref())
+    }
+
+    /// As for hyper-connections: the streams receive the layer's whole update `tail(u + h) − u`.
+    fn step_with_tail(
+        &self,
+        state: MultiStreamState<D>,
+        block: usize,
+        branch: Tensor<D>,
+        tail: impl FnOnce(Tensor<D>) -> Tensor<D>,
+    ) -> MultiStreamState<D> {
+        let branch = multi_stream::layer_branch(&state, branch, tail);
+        StreamConnectivity::step(self, state, block, branch)
+    }
+
+    fn output(&self, state: &MultiStreamState<D>) -> Tensor<D> {
+        multi_stream::output(state, self.reduce)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use burn::tensor::{Distribution, Tolerance};
+
+    use super::*;
+    use crate::stack::Stack;
+    use crate::test_util::{WIDTH, assert_close, blocks, input, residual_loop};
+
+    #[test]
+    fn sinkhorn_knopp_converges_to_doubly_stochastic() {
+        let device = Device::flex();
+        let logits = Tensor::<3>::random([5, 4, 4], Distribution::Normal(0.0, 2.0), &device);
+        let health = |iterations| {
+            ResidualMixingHealth::of(sinkhorn_knopp(logits.clone(), iterations).unwrap())
+        };
+        let (one, twenty, many) = (health(1), health(20), health(200));
+        assert!(many.distance_from_doubly_stochastic < 1e-4, "{many:?}");
+        assert!(twenty.distance_from_doubly_stochastic < one.distance_from_doubly_stochastic);
+        // Columns are normalised last: exact up to ε after any number of iterations.
+        let columns = sinkhorn_knopp(logits.clone(), 1)
+            .unwrap()
+            .sum_dim(1)
+            .sub_scalar(1.0)
+            .abs()
+            .max();
+        assert!(columns.into_scalar::<f64>() < 1e-4);
+        // A row softmax of a diagonal-dominant matrix is close to the identity.
+        let identity = Tensor::<2>::eye(3, &device).mul_scalar(30.0);
+        let near = ResidualMixingHealth::of(sinkhorn_knopp(identity.unsqueeze(), 20).unwrap());
+        assert!(near.distance_from_identity < 1e-5, "{near:?}");
+    }
+
+    #[test]
+    fn sinkhorn_knopp_rejects_bad_input() {
+        let device = Device::flex();
+        let square = Tensor::<2>::zeros([3, 3], &device);
+        assert!(matches!(
+            sinkhorn_knopp(square, 0),
+            Err(Error::OutOfRange { .. })
+        ));
+        let wide = Tensor::<2>::zeros([3, 4], &device);
+        assert!(matches!(
+            sinkhorn_knopp(wide, 5),
+            Err(Error::ShapeMismatch { .. })
+        ));
+        let vector = Tensor::<1>::zeros([3], &device);
+        assert!(matches!(
+            sinkhorn_knopp(vector, 5),
+            Err(Error::ShapeMismatch { .. })
+        ));
+    }
+
+    #[test]
+    fn init_is_within_a_hundredth_of_resnet() {
+        let device = Device::flex();
+        let stack = Stack::new(blocks(6, &device), &MhcConfig::new(WIDTH), &device).unwrap();
+        let x = input(&device);
+        let expected = residual_loop(&stack.blocks, x.clone());
+        stack
+            .forward(x)
+            .into_data()
+            .assert_approx_eq::<f32>(&expected.into_data(), Tolerance::absolute(1e-2));
+        let matrix = stack.matrix();
+        for (i, row) in matrix.matrix.iter().enumerate() {
+            for (j, value) in row.iter().enumerate() {
+                let resnet = f64::from(u8::from(i < j));
+                assert!((value - resnet).abs() < 1e-2, "C[{i}][{j}] = {value}");
+            }
+        }
+        for health in stack.connectivity.residual_health() {
+            assert!(health.distance_from_identity < 0.05, "{health:?}");
+            assert!(health.distance_from_doubly_stochastic < 1e-3, "{health:?}");
+        }
+    }
+
+    #[test]
+    fn connections_are_positive_and_doubly_stochastic() {
+        let device = Device::flex();
+        let config = MhcConfig::new(WIDTH).with_phi_std(0.5).with_alpha_init(1.0);
+        let stack = Stack::new(blocks(3, &device), &config, &device).unwrap();
+        let state = stack.run(input(&device), 2, &()).unwrap();
+        let connections = stack.connectivity.connections(2, &state).unwrap();
+        assert_eq!(connections.res.dims(), [6, 4, 4]);
+        assert!(connections.pre.clone().min().into_scalar::<f64>() > 0.0);
+        let post = connections.post.clone();
+        assert!(
+            post.clone().min().into_scalar::<f64>() > 0.0 && post.max().into_scalar::<f64>() < 2.0
+        );
+        // Columns are exact; rows are within what 20 iterations reach from logits this large.
+        let columns = connections
+            .res
+            .clone()
+            .sum_dim(1)
+            .sub_scalar(1.0)
+            .abs()
+            .max();
+        assert!(columns.into_scalar::<f64>() < 1e-4);
+        let health = ResidualMixingHealth::of(connections.res);
+        assert!(health.distance_from_doubly_stochastic < 0.1, "{health:?}");
+        assert!(stack.connectivity.connections(3, &state).is_err());
+    }
+
+    #[test]
+    fn truncation_reproduces_the_readout() {
+        let device = Device::flex();
+        let config = MhcConfig::new(WIDTH)
+            .with_phi_std(0.5)
+            .with_alpha_init(1.0)
+            .with_streams(3);
+        let stack = Stack::new(blocks(4, &device), &config, &device).unwrap();
+        let x = input(&device);
+        let readout = stack.readout(x.clone());
+        assert_close(readout[0].clone(), x.clone());
+        for (depth, expected) in readout.iter().enumerate().skip(1) {
+            assert_close(
+                stack.truncated(depth).unwrap().forward(x.clone()),
+                expected.clone(),
+            );
+        }
+    }
+
+    #[test]
+    fn invalid_configs_are_errors() {
+        let device = Device::flex();
+        let init = |config: MhcConfig| config.init(3, &device).map(|_| ());
+        assert!(matches!(
+            init(MhcConfig::new(WIDTH).with_streams(0)),
+            Err(Error::OutOfRange { .. })
+        ));
+        assert!(matches!(
+            init(MhcConfig::new(0)),
+            Err(Error::OutOfRange { .. })
+        ));
+        assert!(matches!(
+            init(MhcConfig::new(WIDTH).with_sinkhorn_iterations(0)),
+            Err(Error::OutOfRange { .. })
+        ));
+        assert!(matches!(
+            init(MhcConfig::new(WIDTH).with_phi_std(f64::NAN)),
+            Err(Error::NonFinite { .. })
+        ));
+        assert!(matches!(
+            init(MhcConfig::new(WIDTH).with_alpha_init(f64::INFINITY)),
+            Err(Error::NonFinite { .. })
+        ));
+        assert!(matches!(
+            MhcConfig::new(WIDTH).init(0, &device),
+            Err(Error::NoBlocks)
+        ));
+        let mhc = MhcConfig::new(WIDTH).init(2, &device).unwrap();
+        assert!(matches!(
+            mhc.check_input(&[1, WIDTH - 1]),
+            Err(Error::WidthMismatch { .. })
+        ));
+    }
+}

@@ -1,0 +1,317 @@
+//! The mechanics shared by the multi-stream connectivities (hyper-connections, frac-connections,
+//! mHC): `U` residual units of width `w` per token, mixed into the block input and into the next
+//! units by per-token matrices (SPEC §5.1–5.2).
+//!
+//! Every token carries its units as the rows of a `[U, w]` matrix `S`. A layer supplies, for
+//! every token (or once for all tokens when it is static), the transposed width connections
+//! `A_inᵀ` (`[V, U]`: the `V` views that make the block input) and `A_resᵀ` (`[U, U]`), and the
+//! depth connections `β` (`[U]`):
+//!
+//! ```text
+//! input = A_inᵀ S            (V views of width w, concatenated into the block input of width d)
+//! S'    = A_resᵀ S + β ⊙ h   (h split into V views; unit (k, f) receives view f)
+//! ```
+//!
+//! With `V = 1` and `w = d` the units are hyper-connections' streams; with `V = m` views of width
+//! `d/m` they are frac-connections' fractions, `n` streams of them (`U = n·m`, unit `k·m + f` is
+//! fraction `f` of stream `k`). The mixing is one batched matrix product per step for the whole
+//! `[tokens, U, w]` state, whatever the rank of the streams: tensors of any rank are flattened to
+//! tokens × width.
+
+use burn::prelude::*;
+
+use crate::error::{Error, Result};
+use crate::matrix::ConnectivityMatrix;
+
+/// How the streams are reduced to the stack's output (and to every readout).
+#[derive(Config, Debug, Copy, PartialEq, Eq)]
+pub enum StreamReduce {
+    /// `y = Σ_k S_k` (hyper-connections' default).
+    Sum,
+    /// `y = (1/n) Σ_k S_k` (mHC's default).
+    Mean,
+}
+
+/// The width and depth connections of one layer, for every token (leading axis = tokens) or for
+/// all of them at once (leading axis 1).
+pub(crate) struct Mixing {
+    /// `A_inᵀ`, `[tokens | 1, V, U]`.
+    pub input: Tensor<3>,
+    /// `A_resᵀ`, `[tokens | 1, U, U]`.
+    pub residual: Tensor<3>,
+    /// `β`, `[tokens | 1, U, 1]`.
+    pub beta: Tensor<3>,
+}
+
+/// A layer of a multi-stream connectivity: its mixing as a function of the units.
+pub(crate) trait MixingLayer {
+    /// The layer's connections for the units `[tokens, U, w]`.
+    fn mixing(&self, units: &Tensor<3>) -> Mixing;
+}
+
+/// The layout of the units: `n` streams of `m` fractions of width `w = d/m`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Layout {
+    pub streams: usize,
+    pub fractions: usize,
+}
+
+impl Layout {
+    pub fn units(self) -> usize {
+        self.streams * self.fractions
+    }
+
+    /// Checks that the fractions divide `width` and returns the unit width.
+    pub fn unit_width(self, width: usize) -> Result<usize> {
+        if width == 0 || !width.is_multiple_of(self.fractions) {
+            return Err(Error::WidthMismatch {
+                name: format!(
+                    "a width divisible into {} fractions (frac-connections)",
+                    self.fractions
+                ),
+                expected: width.div_ceil(self.fractions).max(1) * self.fractions,
+                found: width,
+            });
+        }
+        Ok(width / self.fractions)
+    }
+}
+
+/// The running state of a multi-stream connectivity.
+#[derive(Debug, Clone)]
+pub struct MultiStreamState<const D: usize> {
+    /// The units `[tokens, U, w]` (tokens = the product of the leading axes of the stack input).
+    pub units: Tensor<3>,
+    /// Shape of the stack input (and of every block input and output).
+    shape: [usize; D],
+    /// How the units make streams.
+    layout: Layout,
+    /// The next block's input and the parts of the next units that do not depend on its output;
+    /// `None` after the last block.
+    next: Option<Prepared<D>>,
+}
+
+#[derive(Debug, Clone)]
+struct Prepared<const D: usize> {
+    input: Tensor<D>,
+    residual: Tensor<3>,
+    beta: Tensor<3>,
+}
+
+impl<const D: usize> MultiStreamState<D> {
+    /// Mean over tokens of the spread between streams: the standard deviation across the `n`
+    /// streams, relative to the root mean square of the units (0 when every stream is equal,
+    /// as at the start).
+    pub fn stream_spread(&self) -> f64 {
+        let [tokens, units, width] = self.units.dims();
+        let streams = self.layout.streams;
+        let per_stream = self
+            .units
+            .clone()
+            .reshape([tokens, streams, units / streams * width]);
+        let spread = per_stream
+            .clone()
+            .var_bias(1)
+            .mean()
+            .into_scalar::<f64>()
+            .sqrt();
+        let scale = per_stream.square().mean().into_scalar::<f64>().sqrt();
+        if scale > 0.0 { spread / scale } else { 0.0 }
+    }
+}
+
+/// `x` copied into every stream (split into fractions), with the first layer's mixing prepared.
+pub(crate) fn start<const D: usize>(
+    input: Tensor<D>,
+    layout: Layout,
+    first: &impl MixingLayer,
+) -> MultiStreamState<D> {
+    let shape = input.dims();
+    let width = shape[D - 1];
+    let tokens = input.shape().num_elements() / width.max(1);
+    let unit_width = width / layout.fractions;
+    let units = input
+        .reshape([tokens, 1, layout.fractions, unit_width])
+        .expand([tokens, layout.streams, layout.fractions, unit_width])
+        .reshape([tokens, layout.units(), unit_width]);
+    let next = Some(prepare(&units, shape, first));
+    MultiStreamState {
+        units,
+        shape,
+        layout,
+        next,
+    }
+}
+
+fn prepare<const D: usize>(
+    units: &Tensor<3>,
+    shape: [usize; D],
+    layer: &impl MixingLayer,
+) -> Prepared<D> {
+    let Mixing {
+        input,
+        residual,
+        beta,
+    } = layer.mixing(units);
+    Prepared {
+        input: input.matmul(units.clone()).reshape(shape),
+        residual: residual.matmul(units.clone()),
+        beta,
+    }
+}
+
+/// The input of the next block; `None` after the last block.
+pub(crate) fn block_input<const D: usize>(state: &MultiStreamState<D>) -> Option<Tensor<D>> {
+    state.next.as_ref().map(|prepared| prepared.input.clone())
+}
+
+/// `S' = A_resᵀ S + β ⊙ h`, then the mixing of `next` prepared.
+pub(crate) fn step<const D: usize>(
+    state: MultiStreamState<D>,
+    branch: Tensor<D>,
+    next: Option<&impl MixingLayer>,
+) -> MultiStreamState<D> {
+    let MultiStreamState {
+        shape,
+        layout,
+        next: prepared,
+        ..
+    } = state;
+    let Prepared { residual, beta, .. } = prepared.expect("blocks are stepped once each, in order");
+    let [tokens, units, unit_width] = residual.dims();
+    let (n, m) = (layout.streams, layout.fractions);
+    let units = if m == 1 {
+        residual + beta * branch.reshape([tokens, 1, unit_width])
+    } else {
+        let rows = beta.dims()[0];
+        let branch = branch.reshape([tokens, 1, m, unit_width]);
+        (residual.reshape([tokens, n, m, unit_width]) + beta.reshape([rows, n, m, 1]) * branch)
+            .reshape([tokens, units, unit_width])
+    };
+    let next = next.map(|layer| prepare(&units, shape, layer));
+    MultiStreamState {
+        units,
+        shape,
+        layout,
+        next,
+    }
+}
+
+/// The branch a whole layer adds when a tail follows the block: `tail(input + branch) − input`
+/// (see [`StreamConnectivity::step_with_tail`](crate::StreamConnectivity::step_with_tail)).
+pub(crate) fn layer_branch<const D: usize>(
+    state: &MultiStreamState<D>,
+    branch: Tensor<D>,
+    tail: impl FnOnce(Tensor<D>) -> Tensor<D>,
+) -> Tensor<D> {
+    let input = block_input(state).expect("a block is stepped before the last one ends");
+    tail(input.clone() + branch) - input
+}
+
+/// The streams reduced to one tensor of the input's shape.
+pub(crate) fn output<const D: usize>(
+    state: &MultiStreamState<D>,
+    reduce: StreamReduce,
+) -> Tensor<D> {
+    let layout = state.layout;
+    let [tokens, _, unit_width] = state.units.dims();
+    let per_stream =
+        state
+            .units
+            .clone()
+            .reshape([tokens, layout.streams, layout.fractions * unit_width]);
+    let total = per_stream.sum_dim(1);
+    let reduced = match reduce {
+        StreamReduce::Sum => total,
+        StreamReduce::Mean => total.div_scalar(layout.streams as f64),
+    };
+    reduced.reshape(state.shape)
+}
+
+/// A layer's data-independent connections read back to the host: `input[u][v]` (weight of unit
+/// `u` in view `v`), `residual[u][u']`, `beta[u]`.
+pub(crate) struct StaticMixing {
+    pub input: Vec<Vec<f64>>,
+    pub residual: Vec<Vec<f64>>,
+    pub beta: Vec<f64>,
+}
+
+impl StaticMixing {
+    /// From a [`Mixing`] with leading axis 1.
+    pub fn from_mixing(mixing: Mixing) -> Self {
+        let rows = |tensor: Tensor<3>| -> Vec<Vec<f64>> {
+            let [_, rows, columns] = tensor.dims();
+            let values: Vec<f64> = tensor.into_data().iter::<f64>().collect();
+            // Stored transposed: entry [r][c] of Aᵀ is A[c][r].
+            (0..columns)
+                .map(|c| (0..rows).map(|r| values[r * columns + c]).collect())
+                .collect()
+        };
+        Self {
+            input: rows(mixing.input),
+            residual: rows(mixing.residual),
+            beta: mixing.beta.into_data().iter::<f64>().collect(),
+        }
+    }
+}
+
+/// `C` and the output column of a multi-stream connectivity whose layers have the given
+/// data-independent connections, by running the recursion on coefficient vectors.
+///
+/// Each unit is a combination of the fractions of `h_0..h_L`. `C[i][j]` is the coefficient of
+/// `h_i` in the input of block `j`, averaged over the views (view `f` against fraction `f` of
+/// `h_i`); `out[i]` likewise for the output. With one fraction both are exact.
+pub(crate) fn static_matrix(
+    layers: &[StaticMixing],
+    layout: Layout,
+    reduce: StreamReduce,
+) -> ConnectivityMatrix {
+    let size = layers.len() + 1;
+    let (n, m) = (layout.streams, layout.fractions);
+    // coef[u][i * m + f]: coefficient of fraction f of h_i in unit u.
+    let mut coef: Vec<Vec<f64>> = (0..n * m)
+        .map(|u| {
+            let mut vector = vec![0.0; size * m];
+            vector[u % m] = 1.0;
+            vector
+        })
+        .collect();
+    let combine = |weights: &dyn Fn(usize) -> f64, coef: &[Vec<f64>]| -> Vec<f64> {
+        let mut total = vec![0.0; size * m];
+        for (u, vector) in coef.iter().enumerate() {
+            let weight = weights(u);
+            for (sum, value) in total.iter_mut().zip(vector) {
+                *sum += weight * value;
+            }
+        }
+        total
+    };
+    let diagonal = |views: &[Vec<f64>]| -> Vec<f64> {
+        (0..size)
+            .map(|i| (0..m).map(|f| views[f][i * m + f]).sum::<f64>() / m as f64)
+            .collect()
+    };
+    let mut columns = vec![vec![0.0; size]];
+    for (index, layer) in layers.iter().enumerate() {
+        let views: Vec<Vec<f64>> = (0..m)
+            .map(|v| combine(&|u| layer.input[u][v], &coef))
+            .collect();
+        columns.push(diagonal(&views));
+        coef = (0..n * m)
+            .map(|target| {
+                let mut vector = combine(&|u| layer.residual[u][target], &coef);
+                vector[(index + 1) * m + target % m] += layer.beta[target];
+                vector
+            })
+            .collect();
+    }
+    let scale = match reduce {
+        StreamReduce::Sum => 1.0,
+        StreamReduce::Mean => 1.0 / n as f64,
+    };
+    let outputs: Vec<Vec<f64>> = (0..m)
+        .map(|f| combine(&|u| if u % m == f { scale } else { 0.0 }, &coef))
+        .collect();
+    ConnectivityMatrix::from_columns(&columns, diagonal(&outputs))
+        .expect("columns of L+1 entries by construction")
+}

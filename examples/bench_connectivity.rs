@@ -5,8 +5,9 @@
 //! {"workload":"stack12.forward","variant":"hacn","ms":12.3,"host_peak_mb":50.1,"device":"flex"}
 //! ```
 //!
-//! `ms` is the median over `--runs` timed runs after `--warmup` untimed ones; `host_peak_mb` the
-//! largest growth of heap memory during a run (all tensor memory on CPU backends; host-side
+//! `ms` is the median over `--runs` timed runs after `--warmup` untimed ones, the variants of a
+//! workload timed round-robin (run `r` of each before run `r + 1` of any) so that the machine's
+//! drifts do not favour one of them; `host_peak_mb` the largest growth of heap memory during a run (all tensor memory on CPU backends; host-side
 //! bookkeeping only on GPU backends).
 //!
 //! ```text
@@ -69,29 +70,50 @@ static ALLOCATOR: PeakAllocator = PeakAllocator;
 const USAGE: &str =
     "usage: bench_connectivity [--device NAME] [--runs N] [--warmup N] [--only stack|gconv]";
 
-/// Median milliseconds and peak heap growth in bytes of `work` (followed by a device sync).
-fn measure<T>(device: &Device, runs: usize, warmup: usize, work: impl Fn() -> T) -> (f64, usize) {
-    let finish = |output: T| {
-        device.sync().expect("device sync");
-        drop(output);
-    };
-    for _ in 0..warmup {
-        finish(work());
+/// One timed run of `work` (followed by a device sync): milliseconds and peak heap growth.
+fn run_once<T>(device: &Device, work: &dyn Fn() -> T) -> (f64, usize) {
+    let baseline = LIVE.load(Ordering::Relaxed);
+    PEAK.store(baseline, Ordering::Relaxed);
+    let start = Instant::now();
+    let output = work();
+    device.sync().expect("device sync");
+    let ms = start.elapsed().as_secs_f64() * 1e3;
+    let peak = PEAK.load(Ordering::Relaxed).saturating_sub(baseline);
+    drop(output);
+    (ms, peak)
+}
+
+/// Median milliseconds and peak heap growth of every work, timed round-robin (run `r` of every
+/// work before run `r + 1` of any), so that drifts of the machine's speed spread over all of
+/// them rather than favouring whichever ran first.
+fn measure_interleaved<T>(
+    device: &Device,
+    runs: usize,
+    warmup: usize,
+    works: &[&dyn Fn() -> T],
+) -> Vec<(f64, usize)> {
+    for work in works {
+        for _ in 0..warmup {
+            run_once(device, *work);
+        }
     }
-    let mut times = Vec::with_capacity(runs);
-    let mut peak = 0;
+    let mut times = vec![Vec::with_capacity(runs); works.len()];
+    let mut peaks = vec![0; works.len()];
     for _ in 0..runs {
-        let baseline = LIVE.load(Ordering::Relaxed);
-        PEAK.store(baseline, Ordering::Relaxed);
-        let start = Instant::now();
-        let output = work();
-        device.sync().expect("device sync");
-        times.push(start.elapsed().as_secs_f64() * 1e3);
-        peak = peak.max(PEAK.load(Ordering::Relaxed).saturating_sub(baseline));
-        drop(output);
+        for (index, work) in works.iter().enumerate() {
+            let (ms, peak) = run_once(device, *work);
+            times[index].push(ms);
+            peaks[index] = peaks[index].max(peak);
+        }
     }
-    times.sort_by(f64::total_cmp);
-    (times[times.len() / 2], peak)
+    times
+        .into_iter()
+        .zip(peaks)
+        .map(|(mut times, peak)| {
+            times.sort_by(f64::total_cmp);
+            (times[times.len() / 2], peak)
+        })
+        .collect()
 }
 
 struct Report {
@@ -145,16 +167,29 @@ fn main() -> Result<(), String> {
     if only.is_empty() || only == "stack" {
         let training = device.clone().autodiff();
         for depth in DEPTHS {
-            for variant in Variant::ALL {
-                let model = Model::new(variant, depth, &device);
-                let input = stack_input(&device);
-                let timing = measure(&device, runs, warmup, || model.forward(input.clone()));
-                report.record(format!("stack{depth}.forward"), variant.name(), timing);
-
-                let model = Model::new(variant, depth, &training);
-                let input = stack_input(&training);
-                let timing = measure(&training, runs, warmup, || model.train_step(input.clone()));
-                report.record(format!("stack{depth}.train_step"), variant.name(), timing);
+            for (mode, device) in [("forward", &device), ("train_step", &training)] {
+                let models: Vec<Model> = Variant::ALL
+                    .iter()
+                    .map(|&variant| Model::new(variant, depth, device))
+                    .collect();
+                let input = stack_input(device);
+                let works: Vec<Box<dyn Fn() -> Box<dyn std::any::Any>>> = models
+                    .iter()
+                    .map(|model| -> Box<dyn Fn() -> Box<dyn std::any::Any>> {
+                        let input = input.clone();
+                        if mode == "forward" {
+                            Box::new(move || Box::new(model.forward(input.clone())))
+                        } else {
+                            Box::new(move || Box::new(model.train_step(input.clone())))
+                        }
+                    })
+                    .collect();
+                let works: Vec<&dyn Fn() -> Box<dyn std::any::Any>> =
+                    works.iter().map(|work| work.as_ref()).collect();
+                let timings = measure_interleaved(device, runs, warmup, &works);
+                for (variant, timing) in Variant::ALL.iter().zip(timings) {
+                    report.record(format!("stack{depth}.{mode}"), variant.name(), timing);
+                }
             }
         }
         report.print_ratios(Variant::Residual.name());
@@ -162,10 +197,17 @@ fn main() -> Result<(), String> {
     if only.is_empty() || only == "gconv" {
         for length in GCONV_LENGTHS {
             let (z, kernel) = gconv_inputs(length, &device);
-            for method in ConvMethod::ALL {
-                let timing = measure(&device, runs, warmup, || {
-                    method.apply(z.clone(), kernel.clone())
-                });
+            let works: Vec<Box<dyn Fn() -> Tensor<3>>> = ConvMethod::ALL
+                .iter()
+                .map(|&method| -> Box<dyn Fn() -> Tensor<3>> {
+                    let (z, kernel) = (z.clone(), kernel.clone());
+                    Box::new(move || method.apply(z.clone(), kernel.clone()))
+                })
+                .collect();
+            let works: Vec<&dyn Fn() -> Tensor<3>> =
+                works.iter().map(|work| work.as_ref()).collect();
+            let timings = measure_interleaved(&device, runs, warmup, &works);
+            for (method, timing) in ConvMethod::ALL.iter().zip(timings) {
                 report.record(format!("gconv{length}"), method.name(), timing);
             }
         }

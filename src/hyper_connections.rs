@@ -216,11 +216,9 @@ struct HcMixing<'a> {
 
 impl MixingLayer for HcMixing<'_> {
     fn mixing(&self, units: &Tensor<3>) -> Mixing {
-        let (count, views) = self.layer.units_and_views();
         let (alpha, beta) = self.layer.connections(units, self.tanh);
         Mixing {
-            input: alpha.clone().narrow(2, 0, views).swap_dims(1, 2),
-            residual: alpha.narrow(2, views, count).swap_dims(1, 2),
+            width: alpha.swap_dims(1, 2),
             beta,
         }
     }

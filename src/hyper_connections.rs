@@ -36,12 +36,10 @@
 use burn::module::Param;
 use burn::prelude::*;
 
-use crate::connectivity::{Connectivity, ConnectivityConfig, StreamConnectivity};
+use crate::connectivity::{Connectivity, ConnectivityConfig};
 use crate::error::{Error, Result, check_depth, check_size};
 use crate::matrix::ConnectivityMatrix;
-use crate::multi_stream::{
-    self, Layout, Mixing, MixingLayer, MultiStreamState, StaticMixing, StreamReduce,
-};
+use crate::multi_stream::{self, Layout, Mixing, MixingLayer, StaticMixing, StreamReduce};
 
 /// Configuration of [`HyperConnections`].
 #[derive(Config, Debug)]
@@ -338,45 +336,7 @@ pub(crate) fn check_width(name: &str, width: usize, dims: &[usize]) -> Result<()
     Ok(())
 }
 
-impl<const D: usize> StreamConnectivity<D> for HyperConnections {
-    type State = MultiStreamState<D>;
-
-    fn start(&self, input: Tensor<D>) -> MultiStreamState<D> {
-        let first = self.mixing(0).expect("at least one block");
-        multi_stream::start(input, self.layout(), &first)
-    }
-
-    /// `M_0`; after the last block, the output (there is no block left to feed).
-    fn block_input(&self, state: &MultiStreamState<D>) -> Tensor<D> {
-        multi_stream::block_input(state).unwrap_or_else(|| self.output(state))
-    }
-
-    fn step(
-        &self,
-        state: MultiStreamState<D>,
-        block: usize,
-        branch: Tensor<D>,
-    ) -> MultiStreamState<D> {
-        multi_stream::step(state, branch, self.mixing(block + 1).as_ref())
-    }
-
-    /// At a layer whose own wiring goes on after the block (a transformer layer at block
-    /// granularity), the layer's whole update `tail(M_0 + h) − M_0` is what the streams receive.
-    fn step_with_tail(
-        &self,
-        state: MultiStreamState<D>,
-        block: usize,
-        branch: Tensor<D>,
-        tail: impl FnOnce(Tensor<D>) -> Tensor<D>,
-    ) -> MultiStreamState<D> {
-        let branch = multi_stream::layer_branch(&state, branch, tail);
-        StreamConnectivity::step(self, state, block, branch)
-    }
-
-    fn output(&self, state: &MultiStreamState<D>) -> Tensor<D> {
-        multi_stream::output(state, self.reduce)
-    }
-}
+multi_stream::stream_connectivity!(HyperConnections);
 
 #[cfg(test)]
 mod tests {
@@ -552,9 +512,12 @@ mod tests {
             stack.connectivity = randomised(stack.connectivity, &device);
             let x = input(&device);
             let expected = closed_form(&stack, x.clone());
+            // f32 rounding relative to the streams' scale (they reach ~100 with these weights),
+            // as the golden files' tolerance.
+            let scale = expected.clone().abs().max().into_scalar::<f64>().max(1.0);
             stack.forward(x).into_data().assert_approx_eq::<f32>(
                 &expected.into_data(),
-                burn::tensor::Tolerance::rel_abs(1e-5, 1e-5),
+                burn::tensor::Tolerance::absolute(1e-5 * scale),
             );
         }
     }

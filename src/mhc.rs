@@ -33,7 +33,7 @@ use burn::prelude::*;
 use burn::tensor::Distribution;
 use burn::tensor::activation::{sigmoid, softmax};
 
-use crate::connectivity::{Connectivity, ConnectivityConfig, StreamConnectivity};
+use crate::connectivity::{Connectivity, ConnectivityConfig};
 use crate::error::{Error, Result, check_depth, check_non_negative, check_size};
 use crate::hyper_connections::check_width;
 use crate::matrix::ConnectivityMatrix;
@@ -367,44 +367,7 @@ impl Connectivity for Mhc {
     }
 }
 
-impl<const D: usize> StreamConnectivity<D> for Mhc {
-    type State = MultiStreamState<D>;
-
-    fn start(&self, input: Tensor<D>) -> MultiStreamState<D> {
-        let first = self.mixing(0).expect("at least one block");
-        multi_stream::start(input, self.layout(), &first)
-    }
-
-    /// `u`; after the last block, the output (there is no block left to feed).
-    fn block_input(&self, state: &MultiStreamState<D>) -> Tensor<D> {
-        multi_stream::block_input(state).unwrap_or_else(|| self.output(state))
-    }
-
-    fn step(
-        &self,
-        state: MultiStreamState<D>,
-        block: usize,
-        branch: Tensor<D>,
-    ) -> MultiStreamState<D> {
-        multi_stream::step(state, branch, self.mixing(block + 1).as_ref())
-    }
-
-    /// As for hyper-connections: the streams receive the layer's whole update `tail(u + h) − u`.
-    fn step_with_tail(
-        &self,
-        state: MultiStreamState<D>,
-        block: usize,
-        branch: Tensor<D>,
-        tail: impl FnOnce(Tensor<D>) -> Tensor<D>,
-    ) -> MultiStreamState<D> {
-        let branch = multi_stream::layer_branch(&state, branch, tail);
-        StreamConnectivity::step(self, state, block, branch)
-    }
-
-    fn output(&self, state: &MultiStreamState<D>) -> Tensor<D> {
-        multi_stream::output(state, self.reduce)
-    }
-}
+multi_stream::stream_connectivity!(Mhc);
 
 #[cfg(test)]
 mod tests {

@@ -331,3 +331,47 @@ pub(crate) fn static_matrix(
     ConnectivityMatrix::from_columns(&columns, diagonal(&outputs))
         .expect("columns of L+1 entries by construction")
 }
+
+/// [`StreamConnectivity`](crate::StreamConnectivity) for a multi-stream connectivity: a type
+/// with `layout()`, `mixing(block) -> Option<impl MixingLayer>` and a `reduce` field.
+///
+/// At a layer whose own wiring goes on after the block (a transformer layer at block
+/// granularity), the streams receive the layer's whole update `tail(M_0 + h) − M_0`. After the
+/// last block, `block_input` is the output (there is no block left to feed).
+macro_rules! stream_connectivity {
+    ($connectivity:ty) => {
+        impl<const D: usize> $crate::StreamConnectivity<D> for $connectivity {
+            type State = $crate::multi_stream::MultiStreamState<D>;
+
+            fn start(&self, input: Tensor<D>) -> Self::State {
+                let first = self.mixing(0).expect("at least one block");
+                $crate::multi_stream::start(input, self.layout(), &first)
+            }
+
+            fn block_input(&self, state: &Self::State) -> Tensor<D> {
+                $crate::multi_stream::block_input(state).unwrap_or_else(|| self.output(state))
+            }
+
+            fn step(&self, state: Self::State, block: usize, branch: Tensor<D>) -> Self::State {
+                $crate::multi_stream::step(state, branch, self.mixing(block + 1).as_ref())
+            }
+
+            fn step_with_tail(
+                &self,
+                state: Self::State,
+                block: usize,
+                branch: Tensor<D>,
+                tail: impl FnOnce(Tensor<D>) -> Tensor<D>,
+            ) -> Self::State {
+                let branch = $crate::multi_stream::layer_branch(&state, branch, tail);
+                $crate::StreamConnectivity::step(self, state, block, branch)
+            }
+
+            fn output(&self, state: &Self::State) -> Tensor<D> {
+                $crate::multi_stream::output(state, self.reduce)
+            }
+        }
+    };
+}
+
+pub(crate) use stream_connectivity;

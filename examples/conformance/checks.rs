@@ -664,6 +664,30 @@ fn block_and_input_grads(
     Ok(checks)
 }
 
+/// The gradient of a parameter, flattened.
+fn flat_grad<const D: usize>(
+    param: &Param<Tensor<D>>,
+    grads: &burn::tensor::Gradients,
+) -> Option<Tensor<1>> {
+    param.val().grad(grads).map(|grad| grad.reshape([-1]))
+}
+
+/// The gradients of block `j`'s connectivity parameters against `grad.layers.{j}.{name}`.
+fn compare_layer_grads<const N: usize>(
+    golden: &Golden,
+    j: usize,
+    params: [(&str, Option<Tensor<1>>); N],
+) -> Result<Vec<Check>, String> {
+    params
+        .into_iter()
+        .map(|(name, grad)| {
+            let grad =
+                grad.ok_or_else(|| format!("{}: layer {j} {name} got no gradient", golden.name))?;
+            golden.compare_relative(&format!("grad.layers.{j}.{name}"), grad, GRADIENT_TOLERANCE)
+        })
+        .collect()
+}
+
 /// Output, streams and readout of a multi-stream stack, and the loss `sum(y · probe)`.
 fn multi_stream_outputs<
     C: StreamConnectivity<3, State = burn_connectivity::MultiStreamState<3>>,
@@ -730,45 +754,27 @@ pub fn check_hc(golden: &Golden, device: &Device) -> Result<Vec<Check>, String> 
     for (j, layer) in stack.connectivity.layers.iter().enumerate() {
         let dynamic = layer.dynamic.as_ref().ok_or("hc: a dynamic layer")?;
         let params = [
-            (
-                "static_alpha",
-                layer
-                    .static_alpha
-                    .val()
-                    .grad(&grads)
-                    .map(|g| g.reshape([-1])),
-            ),
-            ("static_beta", layer.static_beta.val().grad(&grads)),
+            ("static_alpha", flat_grad(&layer.static_alpha, &grads)),
+            ("static_beta", flat_grad(&layer.static_beta, &grads)),
             (
                 "dynamic_alpha_fn",
-                dynamic
-                    .dynamic_alpha_fn
-                    .val()
-                    .grad(&grads)
-                    .map(|g| g.reshape([-1])),
+                flat_grad(&dynamic.dynamic_alpha_fn, &grads),
             ),
             (
                 "dynamic_alpha_scale",
-                dynamic.dynamic_alpha_scale.val().grad(&grads),
+                flat_grad(&dynamic.dynamic_alpha_scale, &grads),
             ),
             (
                 "dynamic_beta_fn",
-                dynamic.dynamic_beta_fn.val().grad(&grads),
+                flat_grad(&dynamic.dynamic_beta_fn, &grads),
             ),
             (
                 "dynamic_beta_scale",
-                dynamic.dynamic_beta_scale.val().grad(&grads),
+                flat_grad(&dynamic.dynamic_beta_scale, &grads),
             ),
-            ("norm.gamma", dynamic.norm_gamma.val().grad(&grads)),
+            ("norm.gamma", flat_grad(&dynamic.norm_gamma, &grads)),
         ];
-        for (name, grad) in params {
-            let grad = grad.ok_or_else(|| format!("hc: layer {j} {name} got no gradient"))?;
-            checks.push(golden.compare_relative(
-                &format!("grad.layers.{j}.{name}"),
-                grad,
-                GRADIENT_TOLERANCE,
-            )?);
-        }
+        checks.extend(compare_layer_grads(golden, j, params)?);
     }
     Ok(checks)
 }
@@ -820,20 +826,13 @@ pub fn check_mhc(golden: &Golden, device: &Device) -> Result<Vec<Check>, String>
     )?);
     for (j, layer) in stack.connectivity.layers.iter().enumerate() {
         let params = [
-            ("phi", layer.phi.val().grad(&grads).map(|g| g.reshape([-1]))),
-            ("alpha_pre", layer.alpha_pre.val().grad(&grads)),
-            ("alpha_post", layer.alpha_post.val().grad(&grads)),
-            ("alpha_res", layer.alpha_res.val().grad(&grads)),
-            ("bias", layer.bias.val().grad(&grads)),
+            ("phi", flat_grad(&layer.phi, &grads)),
+            ("alpha_pre", flat_grad(&layer.alpha_pre, &grads)),
+            ("alpha_post", flat_grad(&layer.alpha_post, &grads)),
+            ("alpha_res", flat_grad(&layer.alpha_res, &grads)),
+            ("bias", flat_grad(&layer.bias, &grads)),
         ];
-        for (name, grad) in params {
-            let grad = grad.ok_or_else(|| format!("mhc: layer {j} {name} got no gradient"))?;
-            checks.push(golden.compare_relative(
-                &format!("grad.layers.{j}.{name}"),
-                grad,
-                GRADIENT_TOLERANCE,
-            )?);
-        }
+        checks.extend(compare_layer_grads(golden, j, params)?);
     }
 
     let last = stack.num_blocks() - 1;

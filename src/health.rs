@@ -14,7 +14,7 @@
 //!
 //! The spread between the streams of hyper-connections and mHC depends on the data: it is
 //! [`MultiStreamState::stream_spread`](crate::MultiStreamState::stream_spread) of a batch's
-//! state (the `lm_wrap` example prints it).
+//! state.
 //! * Every connectivity: the drift `‖θ − θ₀‖₂` of its parameters from a reference (usually their
 //!   initial values).
 //!

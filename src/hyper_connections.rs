@@ -343,6 +343,7 @@ mod tests {
     use burn::tensor::Distribution;
 
     use super::*;
+    use crate::StreamConnectivity;
     use crate::block::Block;
     use crate::connectivity::probe_matrix;
     use crate::stack::Stack;
@@ -571,6 +572,23 @@ mod tests {
             stack.truncated(6),
             Err(Error::DepthOutOfRange { .. })
         ));
+    }
+
+    #[test]
+    fn streams_start_equal_and_spread_apart() {
+        let device = Device::flex();
+        let config = HyperConnectionsConfig::new(WIDTH).with_streams(3);
+        let mut stack = stack(&config, &device);
+        let start = stack.connectivity.start(input(&device));
+        assert_eq!(
+            StreamConnectivity::<3>::block_input(&stack.connectivity, &start).dims(),
+            [2, 3, WIDTH]
+        );
+        assert!(start.stream_spread() < 1e-7, "copies of x");
+        stack.connectivity = randomised(stack.connectivity, &device);
+        let state = stack.run(input(&device), 5, &()).unwrap();
+        let spread = state.stream_spread();
+        assert!(spread > 0.01 && spread.is_finite(), "{spread}");
     }
 
     #[test]

@@ -22,6 +22,10 @@
 //! `b_pre = −ln(n−1)` (`H_pre = 1/n`; 0 when `n = 1`, i.e. `H_pre = ½`), `b_post = 0`
 //! (`H_post = 1`), `b_res = 5 (I − 1)` (`H_res ≈ I`): the stack starts within ~1e-2 of ResNet.
 //!
+//! The streams start as copies of `x`, and a doubly stochastic `H_res` maps equal streams to
+//! themselves: at init `b_res` gets almost no gradient (~1e-9 against ~1 for `b_post` in a
+//! 3-block stack) until `H_post` and the token-dependent terms make the streams differ.
+//!
 //! **The matrix `C`.** The connections depend on the tokens. [`matrix`] reports the connections
 //! of a token whose streams vanish (`x = 0`: `H~ = b`), the static part, through the recursion
 //! of the streams; [`Mhc::connections`] gives the exact per-token connections of a batch.

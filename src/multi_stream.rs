@@ -36,7 +36,8 @@ pub enum StreamReduce {
 /// The width and depth connections of one layer, for every token (leading axis = tokens) or for
 /// all of them at once (leading axis 1).
 pub(crate) struct Mixing {
-    /// `Aᵀ = [A_in | A_res]ᵀ`, `[tokens | 1, V + U, U]`: one product makes the views and the units.
+    /// `Aᵀ = [A_in | A_res]ᵀ`, `[tokens | 1, V + U, U]`: its first `V` rows make the views, the
+    /// others the next units.
     pub width: Tensor<3>,
     /// `β`, `[tokens | 1, U, 1]`.
     pub beta: Tensor<3>,

@@ -39,7 +39,7 @@ use burn::prelude::*;
 use crate::connectivity::{Connectivity, ConnectivityConfig};
 use crate::error::{Error, Result, check_depth, check_size};
 use crate::matrix::ConnectivityMatrix;
-use crate::multi_stream::{self, Layout, Mixing, MixingLayer, StaticMixing, StreamReduce};
+use crate::multi_stream::{self, Layout, Mixing, MixingLayer, StreamReduce};
 
 /// Configuration of [`HyperConnections`].
 #[derive(Config, Debug)]
@@ -300,14 +300,13 @@ impl Connectivity for HyperConnections {
     /// The static part (`A_s`, `b_s`: the connections of a token whose streams vanish), exact
     /// for static HC; see the [module docs](self).
     fn matrix(&self) -> ConnectivityMatrix {
-        let device = self.layers[0].static_alpha.device();
-        let width = self.width / self.fractions;
-        let zero = Tensor::zeros([1, self.layout().units(), width], &device);
-        let layers: Vec<StaticMixing> = (0..self.layers.len())
-            .filter_map(|block| self.mixing(block))
-            .map(|mixing| StaticMixing::from_mixing(mixing.mixing(&zero)))
-            .collect();
-        multi_stream::static_matrix(&layers, self.layout(), self.reduce)
+        multi_stream::static_part_matrix(
+            (0..self.layers.len()).filter_map(|block| self.mixing(block)),
+            self.layout(),
+            self.reduce,
+            self.width / self.fractions,
+            &self.layers[0].static_alpha.device(),
+        )
     }
 
     fn truncated(&self, depth: usize) -> Result<Self> {

@@ -41,9 +41,7 @@ use crate::connectivity::{Connectivity, ConnectivityConfig};
 use crate::error::{Error, Result, check_depth, check_non_negative, check_size};
 use crate::hyper_connections::check_width;
 use crate::matrix::ConnectivityMatrix;
-use crate::multi_stream::{
-    self, Layout, Mixing, MixingLayer, MultiStreamState, StaticMixing, StreamReduce,
-};
+use crate::multi_stream::{self, Layout, Mixing, MixingLayer, MultiStreamState, StreamReduce};
 
 /// The `ε` of mHC and of its Sinkhorn-Knopp normalisation.
 pub const MHC_EPS: f64 = 1e-6;
@@ -348,14 +346,13 @@ impl Connectivity for Mhc {
 
     /// The static part (`H~ = b`); see the [module docs](self).
     fn matrix(&self) -> ConnectivityMatrix {
-        let layers: Vec<StaticMixing> = self
-            .static_connections()
-            .into_iter()
-            .map(|MhcConnections { pre, post, res }| {
-                StaticMixing::from_mixing(mixing(pre, post, res, 1, self.streams))
-            })
-            .collect();
-        multi_stream::static_matrix(&layers, self.layout(), self.reduce)
+        multi_stream::static_part_matrix(
+            (0..self.layers.len()).filter_map(|block| self.mixing(block)),
+            self.layout(),
+            self.reduce,
+            self.width,
+            &self.layers[0].bias.device(),
+        )
     }
 
     fn truncated(&self, depth: usize) -> Result<Self> {

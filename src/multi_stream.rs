@@ -272,13 +272,29 @@ impl StaticMixing {
     }
 }
 
+/// `C` and the output column of the static part of a multi-stream connectivity: the connections
+/// its layers give a token whose units vanish (`[1, U, w]` zeros), read back to the host.
+pub(crate) fn static_part_matrix<L: MixingLayer>(
+    layers: impl Iterator<Item = L>,
+    layout: Layout,
+    reduce: StreamReduce,
+    unit_width: usize,
+    device: &Device,
+) -> ConnectivityMatrix {
+    let zero = Tensor::zeros([1, layout.units(), unit_width], device);
+    let layers: Vec<StaticMixing> = layers
+        .map(|layer| StaticMixing::from_mixing(layer.mixing(&zero)))
+        .collect();
+    static_matrix(&layers, layout, reduce)
+}
+
 /// `C` and the output column of a multi-stream connectivity whose layers have the given
 /// data-independent connections, by running the recursion on coefficient vectors.
 ///
 /// Each unit is a combination of the fractions of `h_0..h_L`. `C[i][j]` is the coefficient of
 /// `h_i` in the input of block `j`, averaged over the views (view `f` against fraction `f` of
 /// `h_i`); `out[i]` likewise for the output. With one fraction both are exact.
-pub(crate) fn static_matrix(
+fn static_matrix(
     layers: &[StaticMixing],
     layout: Layout,
     reduce: StreamReduce,

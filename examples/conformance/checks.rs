@@ -688,7 +688,8 @@ fn compare_layer_grads<const N: usize>(
         .collect()
 }
 
-/// Output, streams and readout of a multi-stream stack, and the loss `sum(y · probe)`.
+/// Output, streams and readout of a multi-stream stack, and the gradients of the input and the
+/// blocks for the loss `sum(y · probe)` (returned for the connectivity's own parameters).
 fn multi_stream_outputs<
     C: StreamConnectivity<3, State = burn_connectivity::MultiStreamState<3>>,
 >(
@@ -703,11 +704,18 @@ fn multi_stream_outputs<
     let y = stack.connectivity.output(&state);
     let grads = (y.clone() * probe).sum().backward();
     let readout: Tensor<4> = Tensor::stack(stack.readout(input.clone()), 0);
-    let checks = vec![
+    let mut checks = vec![
         golden.compare_relative("out.y", y, VALUE_TOLERANCE)?,
         golden.compare_relative("out.streams", state.units, VALUE_TOLERANCE)?,
         golden.compare_relative("out.readout", readout, VALUE_TOLERANCE)?,
     ];
+    checks.extend(block_and_input_grads(
+        golden,
+        "",
+        &stack.blocks,
+        input,
+        &grads,
+    )?);
     Ok((checks, grads))
 }
 
@@ -744,13 +752,6 @@ pub fn check_hc(golden: &Golden, device: &Device) -> Result<Vec<Check>, String> 
     }
     let stack = Stack::from_parts(blocks, hc).map_err(|err| err.to_string())?;
     let (mut checks, grads) = multi_stream_outputs(golden, &stack, &input, probe)?;
-    checks.extend(block_and_input_grads(
-        golden,
-        "",
-        &stack.blocks,
-        &input,
-        &grads,
-    )?);
     for (j, layer) in stack.connectivity.layers.iter().enumerate() {
         let dynamic = layer.dynamic.as_ref().ok_or("hc: a dynamic layer")?;
         let params = [
@@ -817,13 +818,6 @@ pub fn check_mhc(golden: &Golden, device: &Device) -> Result<Vec<Check>, String>
     }
     let stack = Stack::from_parts(blocks, mhc).map_err(|err| err.to_string())?;
     let (mut checks, grads) = multi_stream_outputs(golden, &stack, &input, probe)?;
-    checks.extend(block_and_input_grads(
-        golden,
-        "",
-        &stack.blocks,
-        &input,
-        &grads,
-    )?);
     for (j, layer) in stack.connectivity.layers.iter().enumerate() {
         let params = [
             ("phi", flat_grad(&layer.phi, &grads)),

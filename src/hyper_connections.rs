@@ -36,9 +36,8 @@
 use burn::module::Param;
 use burn::prelude::*;
 
-use crate::connectivity::{Connectivity, ConnectivityConfig};
-use crate::error::{Error, Result, check_depth, check_size};
-use crate::matrix::ConnectivityMatrix;
+use crate::connectivity::ConnectivityConfig;
+use crate::error::{Error, Result, check_size};
 use crate::multi_stream::{self, Layout, Mixing, MixingLayer, StreamReduce};
 
 /// Configuration of [`HyperConnections`].
@@ -292,61 +291,18 @@ impl HyperConnections {
     }
 }
 
-impl Connectivity for HyperConnections {
-    fn num_blocks(&self) -> usize {
-        self.layers.len()
-    }
-
-    /// The static part (`A_s`, `b_s`: the connections of a token whose streams vanish), exact
-    /// for static HC; see the [module docs](self).
-    fn matrix(&self) -> ConnectivityMatrix {
-        multi_stream::static_part_matrix(
-            (0..self.layers.len()).filter_map(|block| self.mixing(block)),
-            self.layout(),
-            self.reduce,
-            self.width / self.fractions,
-            &self.layers[0].static_alpha.device(),
-        )
-    }
-
-    fn truncated(&self, depth: usize) -> Result<Self> {
-        check_depth(depth, 1, self.num_blocks())?;
-        Ok(Self {
-            layers: self.layers[..depth].to_vec(),
-            ..self.clone()
-        })
-    }
-
-    fn check_input(&self, dims: &[usize]) -> Result<()> {
-        check_width("hyper-connections", self.width, dims)
-    }
-}
-
-/// The stack input's last axis against the width a multi-stream connectivity was built for.
-pub(crate) fn check_width(name: &str, width: usize, dims: &[usize]) -> Result<()> {
-    let found = dims.last().copied().unwrap_or(0);
-    if found != width {
-        return Err(Error::WidthMismatch {
-            name: format!("{name} stream width"),
-            expected: width,
-            found,
-        });
-    }
-    Ok(())
-}
-
-multi_stream::stream_connectivity!(HyperConnections);
+multi_stream::stream_connectivity!(HyperConnections, "hyper-connections");
 
 #[cfg(test)]
 mod tests {
     use burn::tensor::Distribution;
 
     use super::*;
-    use crate::StreamConnectivity;
     use crate::block::Block;
     use crate::connectivity::probe_matrix;
     use crate::stack::Stack;
     use crate::test_util::{TanhBlock, WIDTH, assert_close, blocks, input, residual_loop};
+    use crate::{Connectivity, Error, StreamConnectivity};
 
     fn random(shape: impl Into<burn::tensor::Shape>, device: &Device) -> Tensor<2> {
         Tensor::random(shape, Distribution::Normal(0.0, 0.5), device)

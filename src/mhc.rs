@@ -37,10 +37,8 @@ use burn::prelude::*;
 use burn::tensor::Distribution;
 use burn::tensor::activation::{sigmoid, softmax};
 
-use crate::connectivity::{Connectivity, ConnectivityConfig};
+use crate::connectivity::ConnectivityConfig;
 use crate::error::{Error, Result, check_depth, check_non_negative, check_size};
-use crate::hyper_connections::check_width;
-use crate::matrix::ConnectivityMatrix;
 use crate::multi_stream::{self, Layout, Mixing, MixingLayer, MultiStreamState, StreamReduce};
 
 /// The `ε` of mHC and of its Sinkhorn-Knopp normalisation.
@@ -339,42 +337,14 @@ impl Mhc {
     }
 }
 
-impl Connectivity for Mhc {
-    fn num_blocks(&self) -> usize {
-        self.layers.len()
-    }
-
-    /// The static part (`H~ = b`); see the [module docs](self).
-    fn matrix(&self) -> ConnectivityMatrix {
-        multi_stream::static_part_matrix(
-            (0..self.layers.len()).filter_map(|block| self.mixing(block)),
-            self.layout(),
-            self.reduce,
-            self.width,
-            &self.layers[0].bias.device(),
-        )
-    }
-
-    fn truncated(&self, depth: usize) -> Result<Self> {
-        check_depth(depth, 1, self.num_blocks())?;
-        Ok(Self {
-            layers: self.layers[..depth].to_vec(),
-            ..self.clone()
-        })
-    }
-
-    fn check_input(&self, dims: &[usize]) -> Result<()> {
-        check_width("mHC", self.width, dims)
-    }
-}
-
-multi_stream::stream_connectivity!(Mhc);
+multi_stream::stream_connectivity!(Mhc, "mHC");
 
 #[cfg(test)]
 mod tests {
     use burn::tensor::{Distribution, Tolerance};
 
     use super::*;
+    use crate::Connectivity;
     use crate::stack::Stack;
     use crate::test_util::{WIDTH, assert_close, blocks, input, residual_loop};
 

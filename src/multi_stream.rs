@@ -349,14 +349,59 @@ fn static_matrix(
         .expect("columns of L+1 entries by construction")
 }
 
-/// [`StreamConnectivity`](crate::StreamConnectivity) for a multi-stream connectivity: a type
-/// with `layout()`, `mixing(block) -> Option<impl MixingLayer>` and a `reduce` field.
+/// The stack input's last axis against the width a multi-stream connectivity was built for.
+pub(crate) fn check_width(name: &str, width: usize, dims: &[usize]) -> Result<()> {
+    let found = dims.last().copied().unwrap_or(0);
+    if found != width {
+        return Err(Error::WidthMismatch {
+            name: format!("{name} stream width"),
+            expected: width,
+            found,
+        });
+    }
+    Ok(())
+}
+
+/// [`Connectivity`](crate::Connectivity) and [`StreamConnectivity`](crate::StreamConnectivity)
+/// for a multi-stream connectivity: a module with fields `layers` (one per block), `width` (of
+/// the stack's streams) and `reduce`, and methods `layout()` and
+/// `mixing(block) -> Option<impl MixingLayer>`; `$name` names it in errors.
 ///
-/// At a layer whose own wiring goes on after the block (a transformer layer at block
-/// granularity), the streams receive the layer's whole update `tail(M_0 + h) − M_0`. After the
-/// last block, `block_input` is the output (there is no block left to feed).
+/// Its `C` is that of the static part (the connections of a token whose streams vanish). At a
+/// layer whose own wiring goes on after the block (a transformer layer at block granularity),
+/// the streams receive the layer's whole update `tail(M_0 + h) − M_0`. After the last block,
+/// `block_input` is the output (there is no block left to feed).
 macro_rules! stream_connectivity {
-    ($connectivity:ty) => {
+    ($connectivity:ty, $name:literal) => {
+        impl $crate::Connectivity for $connectivity {
+            fn num_blocks(&self) -> usize {
+                self.layers.len()
+            }
+
+            fn matrix(&self) -> $crate::ConnectivityMatrix {
+                let layout = self.layout();
+                $crate::multi_stream::static_part_matrix(
+                    (0..self.layers.len()).filter_map(|block| self.mixing(block)),
+                    layout,
+                    self.reduce,
+                    self.width / layout.fractions,
+                    &self.devices()[0],
+                )
+            }
+
+            fn truncated(&self, depth: usize) -> $crate::Result<Self> {
+                $crate::error::check_depth(depth, 1, self.layers.len())?;
+                Ok(Self {
+                    layers: self.layers[..depth].to_vec(),
+                    ..self.clone()
+                })
+            }
+
+            fn check_input(&self, dims: &[usize]) -> $crate::Result<()> {
+                $crate::multi_stream::check_width($name, self.width, dims)
+            }
+        }
+
         impl<const D: usize> $crate::StreamConnectivity<D> for $connectivity {
             type State = $crate::multi_stream::MultiStreamState<D>;
 

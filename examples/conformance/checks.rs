@@ -719,18 +719,43 @@ fn multi_stream_outputs<
     Ok((checks, grads))
 }
 
+/// What every multi-stream file holds: its stream count, the input (tracked), the probe of the
+/// loss, the width and the blocks.
+struct MultiStreamProblem {
+    streams: usize,
+    input: Tensor<3>,
+    probe: Tensor<3>,
+    width: usize,
+    blocks: Vec<TanhBlock>,
+}
+
+impl MultiStreamProblem {
+    fn load(golden: &Golden, device: &Device) -> Result<Self, String> {
+        if golden.meta_text("expand")? != "copy" {
+            return Err(format!("{}: only `expand = copy` is known", golden.name));
+        }
+        let input = golden.tensor::<3>("input", device)?.require_grad();
+        Ok(Self {
+            streams: golden.meta_number("streams")? as usize,
+            probe: golden.tensor::<3>("probe", device)?,
+            width: input.dims()[2],
+            input,
+            blocks: golden.blocks("", device)?,
+        })
+    }
+}
+
 /// Hyper-connections (lucidrains' package): output, streams, readout and the gradients of the
 /// input, the blocks and every connection parameter.
 pub fn check_hc(golden: &Golden, device: &Device) -> Result<Vec<Check>, String> {
     let device = device.clone().autodiff();
-    if golden.meta_text("expand")? != "copy" {
-        return Err("hc: only `expand = copy` is known".into());
-    }
-    let streams = golden.meta_number("streams")? as usize;
-    let input = golden.tensor::<3>("input", &device)?.require_grad();
-    let probe = golden.tensor::<3>("probe", &device)?;
-    let width = input.dims()[2];
-    let blocks = golden.blocks("", &device)?;
+    let MultiStreamProblem {
+        streams,
+        input,
+        probe,
+        width,
+        blocks,
+    } = MultiStreamProblem::load(golden, &device)?;
     let config = HyperConnectionsConfig::new(width)
         .with_streams(streams)
         .with_reduce(golden.reduce()?);
@@ -784,9 +809,13 @@ pub fn check_hc(golden: &Golden, device: &Device) -> Result<Vec<Check>, String> 
 /// and Sinkhorn-Knopp alone with its gradient.
 pub fn check_mhc(golden: &Golden, device: &Device) -> Result<Vec<Check>, String> {
     let device = device.clone().autodiff();
-    if golden.meta_text("expand")? != "copy" {
-        return Err("mhc: only `expand = copy` is known".into());
-    }
+    let MultiStreamProblem {
+        streams,
+        input,
+        probe,
+        width,
+        blocks,
+    } = MultiStreamProblem::load(golden, &device)?;
     let eps = golden.meta_number("eps")?;
     if (eps - burn_connectivity::mhc::MHC_EPS).abs() > 1e-12 {
         return Err(format!(
@@ -794,12 +823,7 @@ pub fn check_mhc(golden: &Golden, device: &Device) -> Result<Vec<Check>, String>
             burn_connectivity::mhc::MHC_EPS
         ));
     }
-    let streams = golden.meta_number("streams")? as usize;
     let iterations = golden.meta_number("sinkhorn_iters")? as usize;
-    let input = golden.tensor::<3>("input", &device)?.require_grad();
-    let probe = golden.tensor::<3>("probe", &device)?;
-    let width = input.dims()[2];
-    let blocks = golden.blocks("", &device)?;
     let config = MhcConfig::new(width)
         .with_streams(streams)
         .with_sinkhorn_iterations(iterations)

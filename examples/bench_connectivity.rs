@@ -67,8 +67,7 @@ unsafe impl GlobalAlloc for PeakAllocator {
 #[global_allocator]
 static ALLOCATOR: PeakAllocator = PeakAllocator;
 
-const USAGE: &str =
-    "usage: bench_connectivity [--device NAME] [--runs N] [--warmup N] [--only stack|gconv]";
+const USAGE: &str = "usage: bench_connectivity [--device NAME] [--runs N] [--warmup N] [--only stack|gconv] [--variants residual,hc,...]";
 
 /// One timed run of `work` (followed by a device sync): milliseconds and peak heap growth.
 fn run_once<T>(device: &Device, work: &dyn Fn() -> T) -> (f64, usize) {
@@ -153,12 +152,37 @@ impl Report {
     }
 }
 
+/// The stack variants named in `--variants` (all when empty); the residual is always timed.
+fn selected_variants(list: &str) -> Result<Vec<Variant>, String> {
+    if list.is_empty() {
+        return Ok(Variant::ALL.to_vec());
+    }
+    let mut chosen = vec![Variant::Residual];
+    for name in list.split(',').map(str::trim) {
+        let variant = Variant::ALL
+            .into_iter()
+            .find(|variant| variant.name() == name)
+            .ok_or_else(|| {
+                let known: Vec<&str> = Variant::ALL.iter().map(|v| v.name()).collect();
+                format!(
+                    "--variants: unknown variant {name:?}, expected any of {}",
+                    known.join(",")
+                )
+            })?;
+        if !chosen.contains(&variant) {
+            chosen.push(variant);
+        }
+    }
+    Ok(chosen)
+}
+
 fn main() -> Result<(), String> {
-    let args = Args::parse(USAGE, &["runs", "warmup", "only"])?;
+    let args = Args::parse(USAGE, &["runs", "warmup", "only", "variants"])?;
     let device = args.device()?;
     let runs = args.get("runs", 5usize)?.max(1);
     let warmup = args.get("warmup", 1usize)?;
     let only = args.get("only", String::new())?;
+    let variants = selected_variants(&args.get("variants", String::new())?)?;
     let mut report = Report {
         device: args.get("device", String::from("flex"))?,
         results: Vec::new(),
@@ -168,7 +192,8 @@ fn main() -> Result<(), String> {
         let training = device.clone().autodiff();
         for depth in DEPTHS {
             for (mode, device) in [("forward", &device), ("train_step", &training)] {
-                let models: Vec<Model> = Variant::ALL
+                let started = std::time::Instant::now();
+                let models: Vec<Model> = variants
                     .iter()
                     .map(|&variant| Model::new(variant, depth, device))
                     .collect();
@@ -187,9 +212,13 @@ fn main() -> Result<(), String> {
                 let works: Vec<&dyn Fn() -> Box<dyn std::any::Any>> =
                     works.iter().map(|work| work.as_ref()).collect();
                 let timings = measure_interleaved(device, runs, warmup, &works);
-                for (variant, timing) in Variant::ALL.iter().zip(timings) {
+                for (variant, timing) in variants.iter().zip(timings) {
                     report.record(format!("stack{depth}.{mode}"), variant.name(), timing);
                 }
+                eprintln!(
+                    "stack{depth}.{mode}: {:.1} s with warm-up",
+                    started.elapsed().as_secs_f64()
+                );
             }
         }
         report.print_ratios(Variant::Residual.name());

@@ -138,6 +138,17 @@ fn main() -> Result<(), String> {
             8 * LENGTH
         );
     }
+    let logits = Tensor::<3>::random([8 * LENGTH, 4, 4], Distribution::Default, &tracked);
+    let weights = Tensor::<3>::random([8 * LENGTH, 4, 4], Distribution::Default, &tracked);
+    let kernels = count(&tracked, || {
+        let leaf = logits.clone().require_grad();
+        let output = sinkhorn_knopp(leaf.clone(), 20).expect("square");
+        let grads = (output * weights.clone()).sum().backward();
+        leaf.grad(&grads)
+    });
+    println!(
+        "  Sinkhorn-Knopp forward and backward (gradient of a weighted sum, whose product and sum count too), 20 iterations: {kernels} kernel(s)"
+    );
 
     println!("formulations of a scaled add s + p_i h with p_i an entry of a parameter tensor:");
     let (sum, branch) = (stream(&device), stream(&device));

@@ -8,6 +8,9 @@ use burn::prelude::*;
 
 use crate::error::{Error, Result};
 
+#[cfg(feature = "cube-kernels")]
+pub(crate) mod sinkhorn;
+
 /// Every backend name this crate knows, compiled in or not.
 pub const BACKENDS: [&str; 6] = ["flex", "ndarray", "wgpu", "vulkan", "metal", "cuda"];
 

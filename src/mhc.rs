@@ -79,6 +79,19 @@ pub fn sinkhorn_knopp<const D: usize>(logits: Tensor<D>, iterations: usize) -> R
 }
 
 fn sinkhorn_unchecked<const D: usize>(logits: Tensor<D>, iterations: usize) -> Tensor<D> {
+    // CubeCL devices: every iteration in one kernel (and one for the backward).
+    #[cfg(feature = "cube-kernels")]
+    if crate::backend::is_cube(&logits.device()) {
+        let dims = logits.dims();
+        let n = dims[D - 1];
+        let flat = logits.reshape([dims.iter().product::<usize>() / (n * n), n * n]);
+        return crate::backend::sinkhorn::fused_sinkhorn(flat, n, iterations).reshape(dims);
+    }
+    sinkhorn_composed(logits, iterations)
+}
+
+/// Sinkhorn-Knopp from tensor operations (what autodiff differentiates on non-CubeCL backends).
+pub(crate) fn sinkhorn_composed<const D: usize>(logits: Tensor<D>, iterations: usize) -> Tensor<D> {
     let dims = logits.dims();
     let n = dims[D - 1];
     let batch = logits.shape().num_elements() / (n * n);

@@ -1,0 +1,115 @@
+"""The peer measurement for `bench_connectivity`'s stack workload: lucidrains' `hyper-connections`
+(0.4.11) on PyTorch eager, same blocks and shapes, as a ratio to its own residual in the same run.
+
+    pip install torch hyper-connections==0.4.11
+    python3 benches/peer/hyper_connections_peer.py [--device cpu|cuda] [--runs 7] [--warmup 3]
+
+Blocks are pre-LN MLPs (LN -> Linear(d, 4d) -> GELU -> Linear(4d, d)) on [8, 128, 256]; HC is
+dynamic with tanh and mHC uses 20 Sinkhorn iterations, both with n = 4 streams. `train_step` is
+forward + backward of the mean output (no optimiser update), like the Rust bench. Variants are
+timed round-robin; each number is the median of `--runs` runs.
+"""
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+from torch import nn
+from hyper_connections import get_init_and_expand_reduce_stream_functions
+from hyper_connections import mc_get_init_and_expand_reduce_stream_functions
+
+BATCH, LENGTH, WIDTH, STREAMS = 8, 128, 256, 4
+
+
+def block():
+    return nn.Sequential(
+        nn.LayerNorm(WIDTH),
+        nn.Linear(WIDTH, 4 * WIDTH),
+        nn.GELU(),
+        nn.Linear(4 * WIDTH, WIDTH),
+    )
+
+
+class ResidualStack(nn.Module):
+    def __init__(self, depth):
+        super().__init__()
+        self.blocks = nn.ModuleList(block() for _ in range(depth))
+
+    def forward(self, x):
+        for f in self.blocks:
+            x = f(x) + x
+        return x
+
+
+class StreamStack(nn.Module):
+    def __init__(self, depth, init_and_expand):
+        super().__init__()
+        init, self.expand, self.reduce = init_and_expand(STREAMS, dim=WIDTH)
+        self.layers = nn.ModuleList(
+            init(branch=block(), layer_index=i) for i in range(depth)
+        )
+
+    def forward(self, x):
+        x = self.expand(x)
+        for layer in self.layers:
+            x = layer(x)
+        return self.reduce(x)
+
+
+VARIANTS = {
+    "residual": ResidualStack,
+    "hc": lambda depth: StreamStack(depth, get_init_and_expand_reduce_stream_functions),
+    "mhc": lambda depth: StreamStack(depth, mc_get_init_and_expand_reduce_stream_functions),
+}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--runs", type=int, default=7)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=0, help="CPU threads (0: PyTorch's default)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    torch.manual_seed(0)
+    x = torch.randn(BATCH, LENGTH, WIDTH, device=device)
+    for depth in (12, 24):
+        models = {name: make(depth).to(device) for name, make in VARIANTS.items()}
+        for mode in ("forward", "train_step"):
+
+            def work(model):
+                if mode == "forward":
+                    with torch.no_grad():
+                        return model(x)
+                model.zero_grad(set_to_none=True)
+                model(x).mean().backward()
+
+            times = {name: [] for name in models}
+            for run in range(args.warmup + args.runs):
+                for name, model in models.items():
+                    sync()
+                    start = time.perf_counter()
+                    work(model)
+                    sync()
+                    if run >= args.warmup:
+                        times[name].append(1e3 * (time.perf_counter() - start))
+            base = statistics.median(times["residual"])
+            for name, samples in times.items():
+                ms = statistics.median(samples)
+                print(json.dumps({
+                    "workload": f"stack{depth}.{mode}",
+                    "variant": name,
+                    "ms": round(ms, 3),
+                    "ratio": round(ms / base, 3),
+                    "device": args.device,
+                    "torch": torch.__version__,
+                }), flush=True)
+
+
+if __name__ == "__main__":
+    main()

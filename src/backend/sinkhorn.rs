@@ -1,0 +1,397 @@
+//! Sinkhorn-Knopp as one CubeCL kernel per pass, with its own backward kernel.
+//!
+//! Composed from tensor ops, `T` iterations of Sinkhorn-Knopp cost two launches each (a small
+//! product for the sums, a fused division), ~`2T` launches forward and as many backward. Here one
+//! thread owns one `n × n` matrix and runs every iteration in registers:
+//!
+//! - forward: `P = softmax_rows(L) + ε`, then `M ← M / (colsum(M) + ε)` once and
+//!   `(M ← M / (rowsum(M) + ε), M ← M / (colsum(M) + ε))` `T − 1` times (exactly
+//!   [`crate::mhc::sinkhorn_knopp`]).
+//! - backward: every iterate is a diagonal scaling of `P`, `M_k = diag(r) P diag(c)`; the kernel
+//!   reruns the forward keeping only the `2T − 1` denominator vectors `s_k`, then walks back:
+//!   for a row step `∂M_ij = (∂M'_ij − Σ_l ∂M'_il M'_il) / s_i` and `r ← r ⊙ s` (columns
+//!   alike), and ends with the softmax's `∂L_ij = S_ij (∂P_ij − Σ_l ∂P_il S_il)`.
+//!
+//! Only the CubeCL backends get the kernels (the `cube-kernels` feature, on with `wgpu`, `vulkan`,
+//! `metal`, `cuda`); other backends use the composed form. Not differentiable twice.
+
+use burn::backend::autodiff::checkpoint::base::Checkpointer;
+use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
+use burn::backend::autodiff::grads::Gradients;
+use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
+use burn::backend::autodiff::{Autodiff, NodeId};
+use burn::backend::cubecl::dtype_to_storage_type;
+use burn::backend::tensor::FloatTensor;
+use burn::backend::{Backend, Dispatch, backend_extension};
+use burn::tensor::Tensor;
+use burn_cubecl::CubeBackend;
+use burn_cubecl::kernel::into_contiguous;
+use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
+use cubecl::{CubeCount, CubeDim, calculate_cube_count_elemwise};
+
+use kernels::{sinkhorn_backward_kernel, sinkhorn_forward_kernel};
+
+/// Sinkhorn-Knopp over the last axis of `[batch, n²]` logits (row-major `n × n` matrices).
+#[backend_extension(Cube: cfg(feature = "cube-kernels"), Fusion: cfg(feature = "cube-kernels"), Autodiff)]
+pub(crate) trait SinkhornBackend: Backend {
+    /// `T` iterations of Sinkhorn-Knopp on each matrix.
+    #[fusion(dtype = logits, shape = logits)]
+    fn sinkhorn(logits: FloatTensor<Self>, n: usize, iterations: usize) -> FloatTensor<Self>;
+
+    /// The gradient with respect to the logits, given the gradient of the output.
+    #[fusion(dtype = logits, shape = logits)]
+    fn sinkhorn_backward(
+        logits: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        n: usize,
+        iterations: usize,
+    ) -> FloatTensor<Self>;
+}
+
+/// Sinkhorn-Knopp on a CubeCL device through the fused kernels: `logits` is `[batch, n²]`.
+pub(crate) fn fused_sinkhorn(logits: Tensor<2>, n: usize, iterations: usize) -> Tensor<2> {
+    let output = <Dispatch as SinkhornBackend>::sinkhorn(logits.into_dispatch(), n, iterations);
+    Tensor::from_dispatch(output)
+}
+
+impl SinkhornBackend for CubeBackend {
+    fn sinkhorn(logits: FloatTensor<Self>, n: usize, iterations: usize) -> FloatTensor<Self> {
+        let logits = into_contiguous(logits);
+        let output = empty_like(&logits);
+        let (count, dim) = launch_shape(&logits, n);
+        let dtype = dtype_to_storage_type(logits.dtype);
+        sinkhorn_forward_kernel::launch(
+            &logits.client.clone(),
+            count,
+            dim,
+            logits.into_tensor_arg(),
+            output.clone().into_tensor_arg(),
+            n,
+            iterations,
+            dtype,
+        );
+        output
+    }
+
+    fn sinkhorn_backward(
+        logits: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        n: usize,
+        iterations: usize,
+    ) -> FloatTensor<Self> {
+        let logits = into_contiguous(logits);
+        let grad = into_contiguous(grad);
+        let output = empty_like(&logits);
+        let (count, dim) = launch_shape(&logits, n);
+        let dtype = dtype_to_storage_type(logits.dtype);
+        sinkhorn_backward_kernel::launch(
+            &logits.client.clone(),
+            count,
+            dim,
+            logits.into_tensor_arg(),
+            grad.into_tensor_arg(),
+            output.clone().into_tensor_arg(),
+            n,
+            iterations,
+            dtype,
+        );
+        output
+    }
+}
+
+fn empty_like(tensor: &FloatTensor<CubeBackend>) -> FloatTensor<CubeBackend> {
+    empty_device_contiguous_dtype(
+        tensor.client.clone(),
+        tensor.device.clone(),
+        tensor.meta.shape().clone(),
+        tensor.dtype,
+    )
+}
+
+/// One thread per matrix.
+fn launch_shape(logits: &FloatTensor<CubeBackend>, n: usize) -> (CubeCount, CubeDim) {
+    let matrices = logits.meta.shape().num_elements() / (n * n);
+    let dim = CubeDim::new(&logits.client, matrices);
+    (
+        calculate_cube_count_elemwise(&logits.client, matrices, dim),
+        dim,
+    )
+}
+
+impl<B: SinkhornBackend, C: CheckpointStrategy> SinkhornBackend for Autodiff<B, C> {
+    fn sinkhorn(logits: FloatTensor<Self>, n: usize, iterations: usize) -> FloatTensor<Self> {
+        #[derive(Debug)]
+        struct SinkhornKnopp;
+
+        impl<B: SinkhornBackend> Backward<B, 1> for SinkhornKnopp {
+            type State = (NodeId, usize, usize);
+
+            fn backward(
+                self,
+                ops: Ops<Self::State, 1>,
+                grads: &mut Gradients,
+                checkpointer: &mut Checkpointer,
+            ) {
+                let [parent] = ops.parents;
+                let grad = grads.consume::<B>(&ops.node);
+                let (logits, n, iterations) = ops.state;
+                let logits = checkpointer.retrieve_node_output(logits);
+                if let Some(parent) = parent {
+                    grads.register::<B>(
+                        parent.id,
+                        B::sinkhorn_backward(logits, grad, n, iterations),
+                    );
+                }
+            }
+        }
+
+        match SinkhornKnopp
+            .prepare::<C>([logits.node()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(mut prep) => {
+                let state = (prep.checkpoint(&logits), n, iterations);
+                prep.finish(state, B::sinkhorn(logits.into_primitive(), n, iterations))
+            }
+            OpsKind::UnTracked(prep) => {
+                prep.finish(B::sinkhorn(logits.into_primitive(), n, iterations))
+            }
+        }
+    }
+
+    fn sinkhorn_backward(
+        logits: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        n: usize,
+        iterations: usize,
+    ) -> FloatTensor<Self> {
+        // First-order only: the result is a constant to the graph.
+        let output = B::sinkhorn_backward(
+            logits.into_primitive(),
+            grad.into_primitive(),
+            n,
+            iterations,
+        );
+        <Self as burn::backend::AutodiffBackend>::from_inner(output)
+    }
+}
+
+mod kernels {
+    use cubecl::prelude::*;
+
+    /// `matrix ← softmax_rows(logits) + ε` for the matrix starting at `base`.
+    #[cube]
+    fn softmax_rows<E: Float>(
+        logits: &Tensor<E>,
+        base: usize,
+        matrix: &mut Array<E>,
+        #[comptime] n: usize,
+    ) {
+        for i in 0..n {
+            let mut largest = logits[base + i * n];
+            for j in 1..n {
+                largest = largest.max(logits[base + i * n + j]);
+            }
+            let mut total = E::new(0.0);
+            for j in 0..n {
+                let value = (logits[base + i * n + j] - largest).exp();
+                matrix[i * n + j] = value;
+                total += value;
+            }
+            for j in 0..n {
+                matrix[i * n + j] = matrix[i * n + j] / total + E::new(1e-6);
+            }
+        }
+    }
+
+    #[cube]
+    fn normalise_rows<E: Float>(matrix: &mut Array<E>, #[comptime] n: usize) {
+        for i in 0..n {
+            let mut total = E::new(1e-6);
+            for j in 0..n {
+                total += matrix[i * n + j];
+            }
+            for j in 0..n {
+                matrix[i * n + j] /= total;
+            }
+        }
+    }
+
+    #[cube]
+    fn normalise_columns<E: Float>(matrix: &mut Array<E>, #[comptime] n: usize) {
+        for j in 0..n {
+            let mut total = E::new(1e-6);
+            for i in 0..n {
+                total += matrix[i * n + j];
+            }
+            for i in 0..n {
+                matrix[i * n + j] /= total;
+            }
+        }
+    }
+
+    #[cube(launch)]
+    pub(super) fn sinkhorn_forward_kernel<E: Float>(
+        logits: &Tensor<E>,
+        output: &mut Tensor<E>,
+        #[comptime] n: usize,
+        #[comptime] iterations: usize,
+        #[define(E)] _dtype: ElemType,
+    ) {
+        let base = ABSOLUTE_POS * n * n;
+        if base >= output.len() {
+            terminate!();
+        }
+        let mut matrix = Array::<E>::new(n * n);
+        softmax_rows::<E>(logits, base, &mut matrix, n);
+        normalise_columns::<E>(&mut matrix, n);
+        for _ in 1..iterations {
+            normalise_rows::<E>(&mut matrix, n);
+            normalise_columns::<E>(&mut matrix, n);
+        }
+        for k in 0..n * n {
+            output[base + k] = matrix[k];
+        }
+    }
+
+    #[cube(launch)]
+    pub(super) fn sinkhorn_backward_kernel<E: Float>(
+        logits: &Tensor<E>,
+        grad: &Tensor<E>,
+        output: &mut Tensor<E>,
+        #[comptime] n: usize,
+        #[comptime] iterations: usize,
+        #[define(E)] _dtype: ElemType,
+    ) {
+        let base = ABSOLUTE_POS * n * n;
+        if base >= output.len() {
+            terminate!();
+        }
+        let steps = 2 * iterations - 1;
+        let mut start = Array::<E>::new(n * n);
+        softmax_rows::<E>(logits, base, &mut start, n);
+
+        // Forward again as scalings `M_k = diag(row) · start · diag(column)`, keeping each step's
+        // denominators; step k normalises columns when k is even, rows when it is odd.
+        let mut row = Array::<E>::new(n);
+        let mut column = Array::<E>::new(n);
+        for i in 0..n {
+            row[i] = E::new(1.0);
+            column[i] = E::new(1.0);
+        }
+        let mut sums = Array::<E>::new(steps * n);
+        for k in 0..steps {
+            if k % 2 == 1 {
+                for i in 0..n {
+                    let mut total = E::new(1e-6);
+                    for j in 0..n {
+                        total += start[i * n + j] * row[i] * column[j];
+                    }
+                    sums[k * n + i] = total;
+                    row[i] /= total;
+                }
+            } else {
+                for j in 0..n {
+                    let mut total = E::new(1e-6);
+                    for i in 0..n {
+                        total += start[i * n + j] * row[i] * column[j];
+                    }
+                    sums[k * n + j] = total;
+                    column[j] /= total;
+                }
+            }
+        }
+
+        let mut upstream = Array::<E>::new(n * n);
+        for k in 0..n * n {
+            upstream[k] = grad[base + k];
+        }
+        for back in 0..steps {
+            let k = steps - 1 - back;
+            if k % 2 == 1 {
+                for i in 0..n {
+                    let mut dot = E::new(0.0);
+                    for j in 0..n {
+                        dot += upstream[i * n + j] * start[i * n + j] * row[i] * column[j];
+                    }
+                    let total = sums[k * n + i];
+                    for j in 0..n {
+                        upstream[i * n + j] = (upstream[i * n + j] - dot) / total;
+                    }
+                    row[i] *= total;
+                }
+            } else {
+                for j in 0..n {
+                    let mut dot = E::new(0.0);
+                    for i in 0..n {
+                        dot += upstream[i * n + j] * start[i * n + j] * row[i] * column[j];
+                    }
+                    let total = sums[k * n + j];
+                    for i in 0..n {
+                        upstream[i * n + j] = (upstream[i * n + j] - dot) / total;
+                    }
+                    column[j] *= total;
+                }
+            }
+        }
+
+        // Softmax backward, with S = start − ε.
+        for i in 0..n {
+            let mut dot = E::new(0.0);
+            for j in 0..n {
+                dot += upstream[i * n + j] * (start[i * n + j] - E::new(1e-6));
+            }
+            for j in 0..n {
+                output[base + i * n + j] =
+                    (start[i * n + j] - E::new(1e-6)) * (upstream[i * n + j] - dot);
+            }
+        }
+    }
+}
+
+#[cfg(all(test, feature = "wgpu"))]
+mod tests {
+    use burn::tensor::{Distribution, Tensor, Tolerance};
+
+    use super::fused_sinkhorn;
+    use crate::mhc::{MHC_EPS, sinkhorn_composed};
+
+    fn wgpu() -> burn::prelude::Device {
+        crate::backend::device("wgpu").unwrap()
+    }
+
+    /// The kernels against the composed operations on the same device, forward and gradient,
+    /// for several sizes, iteration counts and logit scales (the kernel hard-codes ε).
+    #[test]
+    fn kernels_match_the_composed_operations() {
+        assert_eq!(MHC_EPS, 1e-6);
+        let device = wgpu().autodiff();
+        for (n, iterations, batch, scale) in [(4, 20, 37, 1.0), (3, 1, 5, 3.0), (2, 7, 300, 0.1)] {
+            let logits =
+                Tensor::<2>::random([batch, n * n], Distribution::Normal(0.0, scale), &device);
+            let weights =
+                Tensor::<2>::random([batch, n * n], Distribution::Normal(0.0, 1.0), &device);
+            let run = |fused: bool| {
+                let leaf = logits.clone().detach().require_grad();
+                let output = if fused {
+                    fused_sinkhorn(leaf.clone(), n, iterations)
+                } else {
+                    sinkhorn_composed(leaf.clone().reshape([batch, n, n]), iterations)
+                        .reshape([batch, n * n])
+                };
+                let grads = (output.clone() * weights.clone()).sum().backward();
+                (output, leaf.grad(&grads).unwrap())
+            };
+            let (fused, fused_grad) = run(true);
+            let (composed, composed_grad) = run(false);
+            let tolerance = Tolerance::absolute(2e-5).set_relative(1e-4);
+            fused
+                .into_data()
+                .assert_approx_eq::<f32>(&composed.into_data(), tolerance);
+            fused_grad
+                .into_data()
+                .assert_approx_eq::<f32>(&composed_grad.into_data(), tolerance);
+        }
+    }
+}

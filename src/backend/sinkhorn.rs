@@ -180,6 +180,9 @@ impl<B: SinkhornBackend, C: CheckpointStrategy> SinkhornBackend for Autodiff<B, 
 mod kernels {
     use cubecl::prelude::*;
 
+    // A line of a row-major `n × n` matrix: entry `b` of line `a` is at `a·outer + b·inner`;
+    // rows are `(outer, inner) = (n, 1)`, columns `(1, n)`.
+
     /// `matrix ← softmax_rows(logits) + ε` for the matrix starting at `base`.
     #[cube]
     fn softmax_rows<E: Float>(
@@ -205,29 +208,74 @@ mod kernels {
         }
     }
 
+    /// Every line divided by its sum plus ε.
     #[cube]
-    fn normalise_rows<E: Float>(matrix: &mut Array<E>, #[comptime] n: usize) {
-        for i in 0..n {
+    fn normalise_lines<E: Float>(
+        matrix: &mut Array<E>,
+        outer: usize,
+        inner: usize,
+        #[comptime] n: usize,
+    ) {
+        for a in 0..n {
             let mut total = E::new(1e-6);
-            for j in 0..n {
-                total += matrix[i * n + j];
+            for b in 0..n {
+                total += matrix[a * outer + b * inner];
             }
-            for j in 0..n {
-                matrix[i * n + j] /= total;
+            for b in 0..n {
+                matrix[a * outer + b * inner] /= total;
             }
         }
     }
 
+    /// One normalisation of `M = diag(line) · start · diag(across)` (transposed for columns):
+    /// each line's denominator goes to `sums[offset + a]` and divides `line[a]`.
     #[cube]
-    fn normalise_columns<E: Float>(matrix: &mut Array<E>, #[comptime] n: usize) {
-        for j in 0..n {
+    fn scale_lines<E: Float>(
+        start: &Array<E>,
+        line: &mut Array<E>,
+        across: &Array<E>,
+        sums: &mut Array<E>,
+        offset: usize,
+        outer: usize,
+        inner: usize,
+        #[comptime] n: usize,
+    ) {
+        for a in 0..n {
             let mut total = E::new(1e-6);
-            for i in 0..n {
-                total += matrix[i * n + j];
+            for b in 0..n {
+                total += start[a * outer + b * inner] * line[a] * across[b];
             }
-            for i in 0..n {
-                matrix[i * n + j] /= total;
+            sums[offset + a] = total;
+            line[a] /= total;
+        }
+    }
+
+    /// The backward of [`scale_lines`]: `∂M_ab = (∂M'_ab − Σ_c ∂M'_ac M'_ac) / s_a`, with `M'`
+    /// the step's output (the current scalings); then undoes the step's scaling.
+    #[cube]
+    fn unscale_lines<E: Float>(
+        upstream: &mut Array<E>,
+        start: &Array<E>,
+        line: &mut Array<E>,
+        across: &Array<E>,
+        sums: &Array<E>,
+        offset: usize,
+        outer: usize,
+        inner: usize,
+        #[comptime] n: usize,
+    ) {
+        for a in 0..n {
+            let mut dot = E::new(0.0);
+            for b in 0..n {
+                let at = a * outer + b * inner;
+                dot += upstream[at] * start[at] * line[a] * across[b];
             }
+            let total = sums[offset + a];
+            for b in 0..n {
+                let at = a * outer + b * inner;
+                upstream[at] = (upstream[at] - dot) / total;
+            }
+            line[a] *= total;
         }
     }
 
@@ -245,10 +293,10 @@ mod kernels {
         }
         let mut matrix = Array::<E>::new(n * n);
         softmax_rows::<E>(logits, base, &mut matrix, n);
-        normalise_columns::<E>(&mut matrix, n);
+        normalise_lines::<E>(&mut matrix, 1, n, n);
         for _ in 1..iterations {
-            normalise_rows::<E>(&mut matrix, n);
-            normalise_columns::<E>(&mut matrix, n);
+            normalise_lines::<E>(&mut matrix, n, 1, n);
+            normalise_lines::<E>(&mut matrix, 1, n, n);
         }
         for k in 0..n * n {
             output[base + k] = matrix[k];
@@ -272,8 +320,8 @@ mod kernels {
         let mut start = Array::<E>::new(n * n);
         softmax_rows::<E>(logits, base, &mut start, n);
 
-        // Forward again as scalings `M_k = diag(row) · start · diag(column)`, keeping each step's
-        // denominators; step k normalises columns when k is even, rows when it is odd.
+        // Forward again as scalings `M_k = diag(row) · start · diag(column)`, keeping each
+        // step's denominators; step k normalises columns when k is even, rows when it is odd.
         let mut row = Array::<E>::new(n);
         let mut column = Array::<E>::new(n);
         for i in 0..n {
@@ -283,23 +331,9 @@ mod kernels {
         let mut sums = Array::<E>::new(steps * n);
         for k in 0..steps {
             if k % 2 == 1 {
-                for i in 0..n {
-                    let mut total = E::new(1e-6);
-                    for j in 0..n {
-                        total += start[i * n + j] * row[i] * column[j];
-                    }
-                    sums[k * n + i] = total;
-                    row[i] /= total;
-                }
+                scale_lines::<E>(&start, &mut row, &column, &mut sums, k * n, n, 1, n);
             } else {
-                for j in 0..n {
-                    let mut total = E::new(1e-6);
-                    for i in 0..n {
-                        total += start[i * n + j] * row[i] * column[j];
-                    }
-                    sums[k * n + j] = total;
-                    column[j] /= total;
-                }
+                scale_lines::<E>(&start, &mut column, &row, &mut sums, k * n, 1, n, n);
             }
         }
 
@@ -310,29 +344,29 @@ mod kernels {
         for back in 0..steps {
             let k = steps - 1 - back;
             if k % 2 == 1 {
-                for i in 0..n {
-                    let mut dot = E::new(0.0);
-                    for j in 0..n {
-                        dot += upstream[i * n + j] * start[i * n + j] * row[i] * column[j];
-                    }
-                    let total = sums[k * n + i];
-                    for j in 0..n {
-                        upstream[i * n + j] = (upstream[i * n + j] - dot) / total;
-                    }
-                    row[i] *= total;
-                }
+                unscale_lines::<E>(
+                    &mut upstream,
+                    &start,
+                    &mut row,
+                    &column,
+                    &sums,
+                    k * n,
+                    n,
+                    1,
+                    n,
+                );
             } else {
-                for j in 0..n {
-                    let mut dot = E::new(0.0);
-                    for i in 0..n {
-                        dot += upstream[i * n + j] * start[i * n + j] * row[i] * column[j];
-                    }
-                    let total = sums[k * n + j];
-                    for i in 0..n {
-                        upstream[i * n + j] = (upstream[i * n + j] - dot) / total;
-                    }
-                    column[j] *= total;
-                }
+                unscale_lines::<E>(
+                    &mut upstream,
+                    &start,
+                    &mut column,
+                    &row,
+                    &sums,
+                    k * n,
+                    1,
+                    n,
+                    n,
+                );
             }
         }
 

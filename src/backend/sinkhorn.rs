@@ -56,21 +56,18 @@ pub(crate) fn fused_sinkhorn(logits: Tensor<2>, n: usize, iterations: usize) -> 
 
 impl SinkhornBackend for CubeBackend {
     fn sinkhorn(logits: FloatTensor<Self>, n: usize, iterations: usize) -> FloatTensor<Self> {
-        let logits = into_contiguous(logits);
-        let output = empty_like(&logits);
-        let (count, dim) = launch_shape(&logits, n);
-        let dtype = dtype_to_storage_type(logits.dtype);
+        let launch = PerMatrix::new(&logits, n);
         sinkhorn_forward_kernel::launch(
-            &logits.client.clone(),
-            count,
-            dim,
-            logits.into_tensor_arg(),
-            output.clone().into_tensor_arg(),
+            &launch.client,
+            launch.count,
+            launch.dim,
+            into_contiguous(logits).into_tensor_arg(),
+            launch.output.clone().into_tensor_arg(),
             n,
             iterations,
-            dtype,
+            launch.dtype,
         );
-        output
+        launch.output
     }
 
     fn sinkhorn_backward(
@@ -79,43 +76,49 @@ impl SinkhornBackend for CubeBackend {
         n: usize,
         iterations: usize,
     ) -> FloatTensor<Self> {
-        let logits = into_contiguous(logits);
-        let grad = into_contiguous(grad);
-        let output = empty_like(&logits);
-        let (count, dim) = launch_shape(&logits, n);
-        let dtype = dtype_to_storage_type(logits.dtype);
+        let launch = PerMatrix::new(&logits, n);
         sinkhorn_backward_kernel::launch(
-            &logits.client.clone(),
-            count,
-            dim,
-            logits.into_tensor_arg(),
-            grad.into_tensor_arg(),
-            output.clone().into_tensor_arg(),
+            &launch.client,
+            launch.count,
+            launch.dim,
+            into_contiguous(logits).into_tensor_arg(),
+            into_contiguous(grad).into_tensor_arg(),
+            launch.output.clone().into_tensor_arg(),
             n,
             iterations,
-            dtype,
+            launch.dtype,
         );
-        output
+        launch.output
     }
 }
 
-fn empty_like(tensor: &FloatTensor<CubeBackend>) -> FloatTensor<CubeBackend> {
-    empty_device_contiguous_dtype(
-        tensor.client.clone(),
-        tensor.device.clone(),
-        tensor.meta.shape().clone(),
-        tensor.dtype,
-    )
+/// A launch with one thread per `n × n` matrix, and its contiguous output shaped like the input.
+struct PerMatrix {
+    client: cubecl::client::Client,
+    count: CubeCount,
+    dim: CubeDim,
+    dtype: cubecl::ir::ElemType,
+    output: FloatTensor<CubeBackend>,
 }
 
-/// One thread per matrix.
-fn launch_shape(logits: &FloatTensor<CubeBackend>, n: usize) -> (CubeCount, CubeDim) {
-    let matrices = logits.meta.shape().num_elements() / (n * n);
-    let dim = CubeDim::new(&logits.client, matrices);
-    (
-        calculate_cube_count_elemwise(&logits.client, matrices, dim),
-        dim,
-    )
+impl PerMatrix {
+    fn new(input: &FloatTensor<CubeBackend>, n: usize) -> Self {
+        let shape = input.meta.shape().clone();
+        let matrices = shape.num_elements() / (n * n);
+        let dim = CubeDim::new(&input.client, matrices);
+        Self {
+            client: input.client.clone(),
+            count: calculate_cube_count_elemwise(&input.client, matrices, dim),
+            dim,
+            dtype: dtype_to_storage_type(input.dtype),
+            output: empty_device_contiguous_dtype(
+                input.client.clone(),
+                input.device.clone(),
+                shape,
+                input.dtype,
+            ),
+        }
+    }
 }
 
 impl<B: SinkhornBackend, C: CheckpointStrategy> SinkhornBackend for Autodiff<B, C> {

@@ -8,8 +8,12 @@ use burn::prelude::*;
 
 use crate::error::{Error, Result};
 
-#[cfg(feature = "cube-kernels")]
+#[cfg(feature = "flex")]
+mod flex_kernels;
+#[cfg(any(feature = "cube-kernels", feature = "flex"))]
 pub(crate) mod sinkhorn;
+#[cfg(feature = "flex")]
+pub(crate) mod stream_mix;
 
 /// Every backend name this crate knows, compiled in or not.
 pub const BACKENDS: [&str; 6] = ["flex", "ndarray", "wgpu", "vulkan", "metal", "cuda"];
@@ -116,6 +120,19 @@ pub(crate) fn is_cube(device: &Device) -> bool {
         let _ = device;
         false
     }
+}
+
+/// Whether `tensor` can go through the crate's fused Sinkhorn-Knopp: CubeCL devices, and Flex
+/// in f32 or f64.
+#[cfg(any(feature = "cube-kernels", feature = "flex"))]
+pub(crate) fn has_fused_sinkhorn<const D: usize>(tensor: &Tensor<D>) -> bool {
+    let device = tensor.device();
+    is_cube(&device) || (is_flex(&device) && flex_fused_dtype(tensor.dtype()))
+}
+
+/// Whether the crate's fused Flex ops take this dtype.
+pub(crate) fn flex_fused_dtype(dtype: burn::tensor::DType) -> bool {
+    matches!(dtype, burn::tensor::DType::F32 | burn::tensor::DType::F64)
 }
 
 /// Whether `device` has Burn's native FFT kernels (Flex and the CubeCL backends).

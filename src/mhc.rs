@@ -79,9 +79,9 @@ pub fn sinkhorn_knopp<const D: usize>(logits: Tensor<D>, iterations: usize) -> R
 }
 
 fn sinkhorn_unchecked<const D: usize>(logits: Tensor<D>, iterations: usize) -> Tensor<D> {
-    // CubeCL devices: every iteration in one kernel (and one for the backward).
-    #[cfg(feature = "cube-kernels")]
-    if crate::backend::is_cube(&logits.device()) {
+    // CubeCL and Flex devices: every iteration in one op (and one for the backward).
+    #[cfg(any(feature = "cube-kernels", feature = "flex"))]
+    if crate::backend::has_fused_sinkhorn(&logits) {
         let dims = logits.dims();
         let n = dims[D - 1];
         let flat = logits.reshape([dims.iter().product::<usize>() / (n * n), n * n]);

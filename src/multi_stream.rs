@@ -94,6 +94,7 @@ pub struct MultiStreamState<const D: usize> {
 #[derive(Debug, Clone)]
 struct Prepared<const D: usize> {
     input: Tensor<D>,
+    /// `A_resᵀ`, `[tokens | 1, U, U]`, applied when the block's output arrives.
     residual: Tensor<3>,
     beta: Tensor<3>,
 }
@@ -153,23 +154,47 @@ fn prepare<const D: usize>(
     let [_, rows, _] = width.dims();
     let views = rows - count;
     Prepared {
-        input: mix(width.clone().narrow(1, 0, views), units).reshape(shape),
-        residual: mix(width.narrow(1, views, count), units),
+        input: mix(width.clone().narrow(1, 0, views), units.clone(), None).reshape(shape),
+        residual: width.narrow(1, views, count),
         beta,
     }
 }
 
-/// `Aᵀ S` per token (`[tokens | 1, R, U] × [tokens, U, w] → [tokens, R, w]`) as `U`
-/// broadcast multiply-adds `Σ_u Aᵀ[:, :, u] ⊗ S_u`: with matrices this small (`U`, `R` ≤ 8), a
-/// batched matrix product is one tiny product per token, about 4× slower on CPU backends (4.7
-/// ms against 1.2 ms for `[1024, 5, 4] × [1024, 4, 256]` on Flex), while the multiply-adds fuse
-/// into one kernel on CubeCL backends.
-fn mix(weights: Tensor<3>, units: &Tensor<3>) -> Tensor<3> {
+/// `Aᵀ S (+ β h)` per token: `weights [tokens | 1, R, U]`, `units [tokens, U, w]`, and the
+/// optional `β [tokens | 1, R, 1]`, `h [tokens, V, w]` (row `r` receives view `r mod V`);
+/// `[tokens, R, w]`. One fused op on Flex ([`crate::backend::stream_mix`]), tensor ops elsewhere.
+fn mix(weights: Tensor<3>, units: Tensor<3>, addend: Option<(Tensor<3>, Tensor<3>)>) -> Tensor<3> {
+    #[cfg(feature = "flex")]
+    if crate::backend::is_flex(&units.device()) && crate::backend::flex_fused_dtype(units.dtype()) {
+        return crate::backend::stream_mix::fused_stream_mix(weights, units, addend);
+    }
+    composed_mix(weights, units, addend)
+}
+
+/// [`mix`] as `U` broadcast multiply-adds `Σ_u Aᵀ[:, :, u] ⊗ S_u` (then `+ β ⊗ h`): with matrices
+/// this small (`U`, `R` ≤ 8), a batched matrix product is one tiny product per token, about 4×
+/// slower on CPU backends (4.7 ms against 1.2 ms for `[1024, 5, 4] × [1024, 4, 256]` on Flex),
+/// while the multiply-adds fuse into one kernel on CubeCL backends.
+pub(crate) fn composed_mix(
+    weights: Tensor<3>,
+    units: Tensor<3>,
+    addend: Option<(Tensor<3>, Tensor<3>)>,
+) -> Tensor<3> {
     let [_, _, count] = weights.dims();
-    (0..count)
+    let mixed = (0..count)
         .map(|u| weights.clone().narrow(2, u, 1) * units.clone().narrow(1, u, 1))
         .reduce(|sum, term| sum + term)
-        .expect("at least one unit")
+        .expect("at least one unit");
+    let Some((beta, branch)) = addend else {
+        return mixed;
+    };
+    let [tokens, rows, width] = mixed.dims();
+    let [beta_tokens, _, _] = beta.dims();
+    let views = branch.dims()[1];
+    let groups = rows / views;
+    (mixed.reshape([tokens, groups, views, width])
+        + beta.reshape([beta_tokens, groups, views, 1]) * branch.reshape([tokens, 1, views, width]))
+    .reshape([tokens, rows, width])
 }
 
 /// The input of the next block; `None` after the last block.
@@ -184,22 +209,15 @@ pub(crate) fn step<const D: usize>(
     next: Option<&impl MixingLayer>,
 ) -> MultiStreamState<D> {
     let MultiStreamState {
+        units,
         shape,
         layout,
         next: prepared,
-        ..
     } = state;
     let Prepared { residual, beta, .. } = prepared.expect("blocks are stepped once each, in order");
-    let [tokens, units, unit_width] = residual.dims();
-    let (n, m) = (layout.streams, layout.fractions);
-    let units = if m == 1 {
-        residual + beta * branch.reshape([tokens, 1, unit_width])
-    } else {
-        let rows = beta.dims()[0];
-        let branch = branch.reshape([tokens, 1, m, unit_width]);
-        (residual.reshape([tokens, n, m, unit_width]) + beta.reshape([rows, n, m, 1]) * branch)
-            .reshape([tokens, units, unit_width])
-    };
+    let [tokens, _, unit_width] = units.dims();
+    let branch = branch.reshape([tokens, layout.fractions, unit_width]);
+    let units = mix(residual, units, Some((beta, branch)));
     let next = next.map(|layer| prepare(&units, shape, layer));
     MultiStreamState {
         units,

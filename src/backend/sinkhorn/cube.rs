@@ -1,0 +1,289 @@
+//! Sinkhorn-Knopp on the CubeCL backends: one thread per `n × n` matrix, every iteration in
+//! registers, one launch forward and one backward.
+
+use burn::backend::cubecl::dtype_to_storage_type;
+use burn::backend::tensor::FloatTensor;
+use burn_cubecl::CubeBackend;
+use burn_cubecl::kernel::into_contiguous;
+use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
+use cubecl::{CubeCount, CubeDim, calculate_cube_count_elemwise};
+
+use super::SinkhornBackend;
+use kernels::{sinkhorn_backward_kernel, sinkhorn_forward_kernel};
+
+impl SinkhornBackend for CubeBackend {
+    fn sinkhorn(logits: FloatTensor<Self>, n: usize, iterations: usize) -> FloatTensor<Self> {
+        let launch = PerMatrix::new(&logits, n);
+        sinkhorn_forward_kernel::launch(
+            &launch.client,
+            launch.count,
+            launch.dim,
+            into_contiguous(logits).into_tensor_arg(),
+            launch.output.clone().into_tensor_arg(),
+            n,
+            iterations,
+            launch.dtype,
+        );
+        launch.output
+    }
+
+    fn sinkhorn_backward(
+        logits: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        n: usize,
+        iterations: usize,
+    ) -> FloatTensor<Self> {
+        let launch = PerMatrix::new(&logits, n);
+        sinkhorn_backward_kernel::launch(
+            &launch.client,
+            launch.count,
+            launch.dim,
+            into_contiguous(logits).into_tensor_arg(),
+            into_contiguous(grad).into_tensor_arg(),
+            launch.output.clone().into_tensor_arg(),
+            n,
+            iterations,
+            launch.dtype,
+        );
+        launch.output
+    }
+}
+
+/// A launch with one thread per `n × n` matrix, and its contiguous output shaped like the input.
+struct PerMatrix {
+    client: cubecl::client::Client,
+    count: CubeCount,
+    dim: CubeDim,
+    dtype: cubecl::ir::ElemType,
+    output: FloatTensor<CubeBackend>,
+}
+
+impl PerMatrix {
+    fn new(input: &FloatTensor<CubeBackend>, n: usize) -> Self {
+        let shape = input.meta.shape().clone();
+        let matrices = shape.num_elements() / (n * n);
+        let dim = CubeDim::new(&input.client, matrices);
+        Self {
+            client: input.client.clone(),
+            count: calculate_cube_count_elemwise(&input.client, matrices, dim),
+            dim,
+            dtype: dtype_to_storage_type(input.dtype),
+            output: empty_device_contiguous_dtype(
+                input.client.clone(),
+                input.device.clone(),
+                shape,
+                input.dtype,
+            ),
+        }
+    }
+}
+
+mod kernels {
+    use cubecl::prelude::*;
+
+    /// The ε of the composed form, so both forms compute the same function.
+    const EPS: f32 = crate::mhc::MHC_EPS as f32;
+
+    // A line of a row-major `n × n` matrix: entry `b` of line `a` is at `a·outer + b·inner`;
+    // rows are `(outer, inner) = (n, 1)`, columns `(1, n)`.
+
+    /// `matrix ← softmax_rows(logits) + ε` for the matrix starting at `base`.
+    #[cube]
+    fn softmax_rows<E: Float>(
+        logits: &Tensor<E>,
+        base: usize,
+        matrix: &mut Array<E>,
+        #[comptime] n: usize,
+    ) {
+        for i in 0..n {
+            let mut largest = logits[base + i * n];
+            for j in 1..n {
+                largest = largest.max(logits[base + i * n + j]);
+            }
+            let mut total = E::new(0.0);
+            for j in 0..n {
+                let value = (logits[base + i * n + j] - largest).exp();
+                matrix[i * n + j] = value;
+                total += value;
+            }
+            for j in 0..n {
+                matrix[i * n + j] = matrix[i * n + j] / total + E::new(EPS);
+            }
+        }
+    }
+
+    /// Every line divided by its sum plus ε.
+    #[cube]
+    fn normalise_lines<E: Float>(
+        matrix: &mut Array<E>,
+        outer: usize,
+        inner: usize,
+        #[comptime] n: usize,
+    ) {
+        for a in 0..n {
+            let mut total = E::new(EPS);
+            for b in 0..n {
+                total += matrix[a * outer + b * inner];
+            }
+            for b in 0..n {
+                matrix[a * outer + b * inner] /= total;
+            }
+        }
+    }
+
+    /// One normalisation of `M = diag(line) · start · diag(across)` (transposed for columns):
+    /// each line's denominator goes to `sums[offset + a]` and divides `line[a]`.
+    #[cube]
+    fn scale_lines<E: Float>(
+        start: &Array<E>,
+        line: &mut Array<E>,
+        across: &Array<E>,
+        sums: &mut Array<E>,
+        offset: usize,
+        outer: usize,
+        inner: usize,
+        #[comptime] n: usize,
+    ) {
+        for a in 0..n {
+            let mut total = E::new(EPS);
+            for b in 0..n {
+                total += start[a * outer + b * inner] * line[a] * across[b];
+            }
+            sums[offset + a] = total;
+            line[a] /= total;
+        }
+    }
+
+    /// The backward of [`scale_lines`]: `∂M_ab = (∂M'_ab − Σ_c ∂M'_ac M'_ac) / s_a`, with `M'`
+    /// the step's output (the current scalings); then undoes the step's scaling.
+    #[cube]
+    fn unscale_lines<E: Float>(
+        upstream: &mut Array<E>,
+        start: &Array<E>,
+        line: &mut Array<E>,
+        across: &Array<E>,
+        sums: &Array<E>,
+        offset: usize,
+        outer: usize,
+        inner: usize,
+        #[comptime] n: usize,
+    ) {
+        for a in 0..n {
+            let mut dot = E::new(0.0);
+            for b in 0..n {
+                let at = a * outer + b * inner;
+                dot += upstream[at] * start[at] * line[a] * across[b];
+            }
+            let total = sums[offset + a];
+            for b in 0..n {
+                let at = a * outer + b * inner;
+                upstream[at] = (upstream[at] - dot) / total;
+            }
+            line[a] *= total;
+        }
+    }
+
+    #[cube(launch)]
+    pub(super) fn sinkhorn_forward_kernel<E: Float>(
+        logits: &Tensor<E>,
+        output: &mut Tensor<E>,
+        #[comptime] n: usize,
+        #[comptime] iterations: usize,
+        #[define(E)] _dtype: ElemType,
+    ) {
+        let base = ABSOLUTE_POS * n * n;
+        if base >= output.len() {
+            terminate!();
+        }
+        let mut matrix = Array::<E>::new(n * n);
+        softmax_rows::<E>(logits, base, &mut matrix, n);
+        normalise_lines::<E>(&mut matrix, 1, n, n);
+        for _ in 1..iterations {
+            normalise_lines::<E>(&mut matrix, n, 1, n);
+            normalise_lines::<E>(&mut matrix, 1, n, n);
+        }
+        for k in 0..n * n {
+            output[base + k] = matrix[k];
+        }
+    }
+
+    #[cube(launch)]
+    pub(super) fn sinkhorn_backward_kernel<E: Float>(
+        logits: &Tensor<E>,
+        grad: &Tensor<E>,
+        output: &mut Tensor<E>,
+        #[comptime] n: usize,
+        #[comptime] iterations: usize,
+        #[define(E)] _dtype: ElemType,
+    ) {
+        let base = ABSOLUTE_POS * n * n;
+        if base >= output.len() {
+            terminate!();
+        }
+        let steps = 2 * iterations - 1;
+        let mut start = Array::<E>::new(n * n);
+        softmax_rows::<E>(logits, base, &mut start, n);
+
+        // Forward again as scalings `M_k = diag(row) · start · diag(column)`, keeping each
+        // step's denominators; step k normalises columns when k is even, rows when it is odd.
+        let mut row = Array::<E>::new(n);
+        let mut column = Array::<E>::new(n);
+        for i in 0..n {
+            row[i] = E::new(1.0);
+            column[i] = E::new(1.0);
+        }
+        let mut sums = Array::<E>::new(steps * n);
+        for k in 0..steps {
+            if k % 2 == 1 {
+                scale_lines::<E>(&start, &mut row, &column, &mut sums, k * n, n, 1, n);
+            } else {
+                scale_lines::<E>(&start, &mut column, &row, &mut sums, k * n, 1, n, n);
+            }
+        }
+
+        let mut upstream = Array::<E>::new(n * n);
+        for k in 0..n * n {
+            upstream[k] = grad[base + k];
+        }
+        for back in 0..steps {
+            let k = steps - 1 - back;
+            if k % 2 == 1 {
+                unscale_lines::<E>(
+                    &mut upstream,
+                    &start,
+                    &mut row,
+                    &column,
+                    &sums,
+                    k * n,
+                    n,
+                    1,
+                    n,
+                );
+            } else {
+                unscale_lines::<E>(
+                    &mut upstream,
+                    &start,
+                    &mut column,
+                    &row,
+                    &sums,
+                    k * n,
+                    1,
+                    n,
+                    n,
+                );
+            }
+        }
+
+        // Softmax backward, with S = start − ε.
+        for i in 0..n {
+            let mut dot = E::new(0.0);
+            for j in 0..n {
+                dot += upstream[i * n + j] * (start[i * n + j] - E::new(EPS));
+            }
+            for j in 0..n {
+                output[base + i * n + j] =
+                    (start[i * n + j] - E::new(EPS)) * (upstream[i * n + j] - dot);
+            }
+        }
+    }
+}

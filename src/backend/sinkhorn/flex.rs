@@ -1,0 +1,191 @@
+//! Sinkhorn-Knopp on Flex: the same algorithm as the CubeCL kernels, one matrix at a time on the
+//! CPU (in f64, for f32 and f64 tensors), matrices in parallel. Composed from tensor ops it is
+//! ~`6T` small ops forward and more backward, each costing Flex a dispatch and a fresh buffer.
+
+use burn::tensor::{DType, TensorData};
+use burn_flex::{Flex, FlexTensor};
+use rayon::prelude::*;
+
+use super::SinkhornBackend;
+use crate::mhc::MHC_EPS;
+
+/// Matrices per parallel task.
+const MATRICES_PER_TASK: usize = 256;
+
+impl SinkhornBackend for Flex {
+    fn sinkhorn(logits: FlexTensor, n: usize, iterations: usize) -> FlexTensor {
+        let input = values(&logits);
+        let mut output = vec![0.0; input.len()];
+        per_matrix(&input, &mut output, n, |logits, output| {
+            forward(logits, output, n, iterations);
+        });
+        tensor(output, &logits)
+    }
+
+    fn sinkhorn_backward(
+        logits: FlexTensor,
+        grad: FlexTensor,
+        n: usize,
+        iterations: usize,
+    ) -> FlexTensor {
+        let (input, upstream) = (values(&logits), values(&grad));
+        let mut output = vec![0.0; input.len()];
+        output
+            .par_chunks_mut(MATRICES_PER_TASK * n * n)
+            .zip(input.par_chunks(MATRICES_PER_TASK * n * n))
+            .zip(upstream.par_chunks(MATRICES_PER_TASK * n * n))
+            .for_each(|((output, input), upstream)| {
+                for ((output, input), upstream) in output
+                    .chunks_exact_mut(n * n)
+                    .zip(input.chunks_exact(n * n))
+                    .zip(upstream.chunks_exact(n * n))
+                {
+                    backward(input, upstream, output, n, iterations);
+                }
+            });
+        tensor(output, &logits)
+    }
+}
+
+fn per_matrix(
+    input: &[f64],
+    output: &mut [f64],
+    n: usize,
+    run: impl Fn(&[f64], &mut [f64]) + Sync,
+) {
+    output
+        .par_chunks_mut(MATRICES_PER_TASK * n * n)
+        .zip(input.par_chunks(MATRICES_PER_TASK * n * n))
+        .for_each(|(output, input)| {
+            for (output, input) in output
+                .chunks_exact_mut(n * n)
+                .zip(input.chunks_exact(n * n))
+            {
+                run(input, output);
+            }
+        });
+}
+
+/// The elements of `tensor` as f64.
+fn values(tensor: &FlexTensor) -> Vec<f64> {
+    let contiguous = tensor.to_contiguous();
+    match tensor.dtype() {
+        DType::F32 => contiguous
+            .as_slice::<f32>()
+            .expect("contiguous")
+            .iter()
+            .map(|&v| f64::from(v))
+            .collect(),
+        DType::F64 => contiguous.as_slice::<f64>().expect("contiguous").to_vec(),
+        other => panic!("Sinkhorn-Knopp: unsupported dtype {other:?}"),
+    }
+}
+
+/// `values` in the dtype and shape of `like`.
+fn tensor(values: Vec<f64>, like: &FlexTensor) -> FlexTensor {
+    let shape = like.layout().shape().clone();
+    let data = match like.dtype() {
+        // Rounding to f32 is the point here.
+        #[allow(clippy::cast_possible_truncation)]
+        DType::F32 => TensorData::new(values.into_iter().map(|v| v as f32).collect(), shape),
+        _ => TensorData::new(values, shape),
+    };
+    FlexTensor::from_data(data)
+}
+
+/// `matrix ← softmax_rows(logits) + ε`.
+fn softmax_rows(logits: &[f64], matrix: &mut [f64], n: usize) {
+    for (row, out) in logits.chunks_exact(n).zip(matrix.chunks_exact_mut(n)) {
+        let largest = row.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        let mut total = 0.0;
+        for (o, &value) in out.iter_mut().zip(row) {
+            *o = (value - largest).exp();
+            total += *o;
+        }
+        for o in out.iter_mut() {
+            *o = *o / total + MHC_EPS;
+        }
+    }
+}
+
+/// Entry `(a, b)` of a line view: rows are `(a, b) = (i, j)`, columns `(j, i)`.
+fn at(a: usize, b: usize, n: usize, columns: bool) -> usize {
+    if columns { b * n + a } else { a * n + b }
+}
+
+fn forward(logits: &[f64], matrix: &mut [f64], n: usize, iterations: usize) {
+    softmax_rows(logits, matrix, n);
+    let normalise = |matrix: &mut [f64], columns: bool| {
+        for a in 0..n {
+            let total = MHC_EPS + (0..n).map(|b| matrix[at(a, b, n, columns)]).sum::<f64>();
+            for b in 0..n {
+                matrix[at(a, b, n, columns)] /= total;
+            }
+        }
+    };
+    normalise(matrix, true);
+    for _ in 1..iterations {
+        normalise(matrix, false);
+        normalise(matrix, true);
+    }
+}
+
+/// Every iterate is `diag(row) P diag(column)`: rerun the forward keeping each step's
+/// denominators, walk back through them, then through the softmax (see the parent module).
+fn backward(logits: &[f64], upstream: &[f64], output: &mut [f64], n: usize, iterations: usize) {
+    let steps = 2 * iterations - 1;
+    let mut start = vec![0.0; n * n];
+    softmax_rows(logits, &mut start, n);
+    let (mut row, mut column) = (vec![1.0; n], vec![1.0; n]);
+    let mut sums = vec![0.0; steps * n];
+    // Step k normalises columns when k is even, rows when it is odd.
+    for (k, sums) in sums.chunks_exact_mut(n).enumerate() {
+        let columns = k % 2 == 0;
+        let (line, across) = if columns {
+            (&mut column, &row)
+        } else {
+            (&mut row, &column)
+        };
+        for a in 0..n {
+            let total = MHC_EPS
+                + (0..n)
+                    .map(|b| start[at(a, b, n, columns)] * line[a] * across[b])
+                    .sum::<f64>();
+            sums[a] = total;
+            line[a] /= total;
+        }
+    }
+    let mut grad = upstream.to_vec();
+    for (k, sums) in sums.chunks_exact(n).enumerate().rev() {
+        let columns = k % 2 == 0;
+        let (line, across) = if columns {
+            (&mut column, &row)
+        } else {
+            (&mut row, &column)
+        };
+        for a in 0..n {
+            let dot = (0..n)
+                .map(|b| {
+                    let index = at(a, b, n, columns);
+                    grad[index] * start[index] * line[a] * across[b]
+                })
+                .sum::<f64>();
+            for b in 0..n {
+                let index = at(a, b, n, columns);
+                grad[index] = (grad[index] - dot) / sums[a];
+            }
+            line[a] *= sums[a];
+        }
+    }
+    // Softmax backward, with S = start − ε.
+    for ((out, grad), start) in output
+        .chunks_exact_mut(n)
+        .zip(grad.chunks_exact(n))
+        .zip(start.chunks_exact(n))
+    {
+        let dot: f64 = grad.iter().zip(start).map(|(g, s)| g * (s - MHC_EPS)).sum();
+        for ((o, g), s) in out.iter_mut().zip(grad).zip(start) {
+            *o = (s - MHC_EPS) * (g - dot);
+        }
+    }
+}

@@ -11,8 +11,12 @@
 //! bookkeeping only on GPU backends).
 //!
 //! ```text
-//! cargo run --release --example bench_connectivity -- [--device flex] [--runs 5] [--warmup 1] [--only stack|gconv]
+//! cargo run --release --example bench_connectivity -- [--device flex] [--runs 5] [--warmup 1] [--only stack|gconv|profile]
 //! ```
+//!
+//! `--only profile` times the operation classes of one residual MLP block on their own (forward
+//! and backward at the block's shapes) next to the depth-12 residual train step, and prints
+//! their share of it: what is the backend's time and what is left for the connectivity.
 
 mod common;
 #[path = "../benches/workloads/mod.rs"]
@@ -25,7 +29,10 @@ use std::time::Instant;
 
 use burn::prelude::*;
 use common::Args;
-use workloads::{ConvMethod, DEPTHS, GCONV_LENGTHS, Model, Variant, gconv_inputs, stack_input};
+use workloads::{
+    ConvMethod, DEPTHS, GCONV_LENGTHS, Model, OpClass, OpProfile, Variant, gconv_inputs,
+    stack_input,
+};
 
 /// The system allocator, keeping the current and the peak number of live heap bytes.
 struct PeakAllocator;
@@ -67,7 +74,7 @@ unsafe impl GlobalAlloc for PeakAllocator {
 #[global_allocator]
 static ALLOCATOR: PeakAllocator = PeakAllocator;
 
-const USAGE: &str = "usage: bench_connectivity [--device NAME] [--runs N] [--warmup N] [--only stack|gconv] [--variants residual,hc,...]";
+const USAGE: &str = "usage: bench_connectivity [--device NAME] [--runs N] [--warmup N] [--only stack|gconv|profile] [--variants residual,hc,...]\n  defaults: --device flex --runs 5 --warmup 1, every workload but the profile, every variant";
 
 /// One timed run of `work` (followed by a device sync): milliseconds and peak heap growth.
 fn run_once<T>(device: &Device, work: &dyn Fn() -> T) -> (f64, usize) {
@@ -182,6 +189,9 @@ fn main() -> Result<(), String> {
     let runs = args.get("runs", 5usize)?.max(1);
     let warmup = args.get("warmup", 1usize)?;
     let only = args.get("only", String::new())?;
+    if !["", "stack", "gconv", "profile"].contains(&only.as_str()) {
+        return Err(format!("--only {only}: expected stack, gconv or profile\n{USAGE}"));
+    }
     let variants = selected_variants(&args.get("variants", String::new())?)?;
     let mut report = Report {
         device: args.get("device", String::from("flex"))?,
@@ -223,6 +233,9 @@ fn main() -> Result<(), String> {
         }
         report.print_ratios(Variant::Residual.name());
     }
+    if only == "profile" {
+        profile(&device.clone().autodiff(), runs, warmup, &mut report);
+    }
     if only.is_empty() || only == "gconv" {
         for length in GCONV_LENGTHS {
             let (z, kernel) = gconv_inputs(length, &device);
@@ -243,4 +256,46 @@ fn main() -> Result<(), String> {
         report.print_ratios(ConvMethod::Direct.name());
     }
     Ok(())
+}
+
+/// The residual train step at depth 12 and each operation class of one block, timed
+/// round-robin; a table of their shares on stderr.
+fn profile(device: &Device, runs: usize, warmup: usize, report: &mut Report) {
+    let depth = DEPTHS[0];
+    let model = Model::new(Variant::Residual, depth, device);
+    let input = stack_input(device);
+    let ops = OpProfile::new(device);
+    let mut works: Vec<Box<dyn Fn() -> Box<dyn std::any::Any> + '_>> =
+        vec![Box::new(|| Box::new(model.train_step(input.clone())))];
+    for class in OpClass::ALL {
+        let ops = &ops;
+        works.push(Box::new(move || Box::new(ops.train_step(class))));
+    }
+    let works: Vec<&dyn Fn() -> Box<dyn std::any::Any>> =
+        works.iter().map(|work| work.as_ref()).collect();
+    let timings = measure_interleaved(device, runs, warmup, &works);
+    let step_ms = timings[0].0;
+    report.record(format!("profile{depth}"), "train_step", timings[0]);
+    eprintln!("residual train step, depth {depth}: {step_ms:.1} ms");
+    eprintln!("{:>13} {:>10} {:>10} {:>7}", "op class", "per block", "x depth", "share");
+    let mut accounted = 0.0;
+    for (class, timing) in OpClass::ALL.iter().zip(&timings[1..]) {
+        report.record(format!("profile{depth}"), class.name(), *timing);
+        let total = timing.0 * depth as f64;
+        accounted += total;
+        eprintln!(
+            "{:>13} {:>7.2} ms {:>7.1} ms {:>6.1}%",
+            class.name(),
+            timing.0,
+            total,
+            100.0 * total / step_ms
+        );
+    }
+    eprintln!(
+        "{:>13} {:>10} {:>7.1} ms {:>6.1}%",
+        "rest",
+        "",
+        step_ms - accounted,
+        100.0 * (step_ms - accounted) / step_ms
+    );
 }

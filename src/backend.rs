@@ -60,6 +60,29 @@ pub fn device(name: &str) -> Result<Device> {
     compiled_device(name).ok_or_else(|| unavailable("no device constructor".to_string()))
 }
 
+/// `count` devices of the backend called `name` (no autodiff), for multi-device training: CUDA
+/// devices `0..count`; one device of any other backend (only CUDA devices are indexed here).
+///
+/// # Errors
+/// [`Error::OutOfRange`] for `count = 0`; [`Error::Backend`] if the backend cannot be used (see
+/// [`device`]) or several devices of a backend other than CUDA are asked for.
+pub fn devices(name: &str, count: usize) -> Result<Vec<Device>> {
+    crate::error::check_size("device count", count)?;
+    let first = device(name)?;
+    if count == 1 {
+        return Ok(vec![first]);
+    }
+    #[cfg(feature = "cuda")]
+    if name == "cuda" {
+        return Ok((0..count).map(Device::cuda).collect());
+    }
+    Err(Error::Backend {
+        name: name.to_string(),
+        reason: format!("{count} devices asked for: only CUDA devices are indexed here"),
+        available: compiled_backends().join(", "),
+    })
+}
+
 #[allow(deprecated)] // NdArray is deprecated in Burn 0.22 but still supported here.
 fn compiled_device(name: &str) -> Option<Device> {
     match name {
@@ -164,6 +187,15 @@ mod tests {
         }
         #[cfg(feature = "wgpu")]
         assert!(is_cube(&device("wgpu").unwrap().autodiff()));
+    }
+
+    #[test]
+    fn several_devices_are_cuda_only() {
+        assert_eq!(devices("flex", 1).unwrap().len(), 1);
+        assert!(matches!(devices("flex", 0), Err(Error::OutOfRange { .. })));
+        let err = devices("flex", 2).unwrap_err();
+        assert!(err.to_string().contains("only CUDA"), "{err}");
+        assert!(matches!(devices("tpu", 2), Err(Error::Backend { .. })));
     }
 
     #[test]

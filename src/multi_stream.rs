@@ -15,9 +15,10 @@
 //! With `V = 1` and `w = d` the units are hyper-connections' streams; with `V = m` views of width
 //! `d/m` they are frac-connections' fractions, `n` streams of them (`U = n·m`, unit `k·m + f` is
 //! fraction `f` of stream `k`). The mixing works on the whole `[tokens, U, w]` state at once,
-//! whatever the rank of the streams (tensors of any rank are flattened to tokens × width), as `U`
-//! broadcast multiply-adds per step ([`mix`]: faster than a batched product of tiny matrices on
-//! CPU, one fused kernel on CubeCL).
+//! whatever the rank of the streams (tensors of any rank are flattened to tokens × width): one
+//! fused op with its own backward per mixing on Flex, `U` broadcast multiply-adds elsewhere (one
+//! fused kernel on CubeCL; see [`mix`]). The residual mixing waits for the block's output, so that
+//! `A_resᵀ S + β h` is made in one pass.
 
 use burn::prelude::*;
 

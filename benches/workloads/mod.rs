@@ -198,3 +198,75 @@ pub fn gconv_inputs(length: usize, device: &Device) -> (Tensor<3>, Tensor<3>) {
     );
     (z, kernel)
 }
+
+/// The operation classes of a residual MLP block (`x + Linear(GELU(Linear(LN(x))))`), each timed
+/// on its own at the block's shapes: where a Flex train step spends its time.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OpClass {
+    /// The LayerNorm on `[B, T, d]`.
+    LayerNorm,
+    /// Both linear layers (`d → 4d` and `4d → d`, with biases).
+    Matmul,
+    /// GELU on `[B, T, 4d]`.
+    Gelu,
+    /// The residual addition on `[B, T, d]`.
+    ResidualAdd,
+}
+
+impl OpClass {
+    pub const ALL: [OpClass; 4] = [Self::LayerNorm, Self::Matmul, Self::Gelu, Self::ResidualAdd];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::LayerNorm => "layer_norm",
+            Self::Matmul => "matmul",
+            Self::Gelu => "gelu",
+            Self::ResidualAdd => "residual_add",
+        }
+    }
+}
+
+/// One block's layers and tracked inputs of the block's shapes, for [`OpClass`] timings.
+pub struct OpProfile {
+    norm: burn::nn::LayerNorm,
+    block: MlpBlock,
+    /// `[B, T, d]`.
+    stream: Tensor<3>,
+    /// `[B, T, 4d]`.
+    hidden: Tensor<3>,
+}
+
+impl OpProfile {
+    /// On an autodiff device.
+    pub fn new(device: &Device) -> Self {
+        let block = MlpBlockConfig::new(WIDTH, 4 * WIDTH)
+            .init(1, device)
+            .expect("valid block config");
+        let hidden = Tensor::random(
+            [BATCH, LENGTH, 4 * WIDTH],
+            Distribution::Normal(0.0, 1.0),
+            device,
+        );
+        Self {
+            norm: burn::nn::LayerNormConfig::new(WIDTH).init(device),
+            block,
+            stream: stack_input(device).require_grad(),
+            hidden: hidden.require_grad(),
+        }
+    }
+
+    /// Forward and backward of the mean of one op class's output (gradients of its inputs and
+    /// weights).
+    pub fn train_step(&self, class: OpClass) -> Gradients {
+        let (stream, hidden) = (self.stream.clone(), self.hidden.clone());
+        let output = match class {
+            OpClass::LayerNorm => self.norm.forward(stream).mean(),
+            OpClass::Matmul => {
+                self.block.expand.forward(stream).mean() + self.block.project.forward(hidden).mean()
+            }
+            OpClass::Gelu => burn_connectivity::gelu(hidden).mean(),
+            OpClass::ResidualAdd => (stream.clone() + stream.mul_scalar(0.5)).mean(),
+        };
+        output.backward()
+    }
+}

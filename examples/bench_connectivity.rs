@@ -190,7 +190,9 @@ fn main() -> Result<(), String> {
     let warmup = args.get("warmup", 1usize)?;
     let only = args.get("only", String::new())?;
     if !["", "stack", "gconv", "profile"].contains(&only.as_str()) {
-        return Err(format!("--only {only}: expected stack, gconv or profile\n{USAGE}"));
+        return Err(format!(
+            "--only {only}: expected stack, gconv or profile\n{USAGE}"
+        ));
     }
     let variants = selected_variants(&args.get("variants", String::new())?)?;
     let mut report = Report {
@@ -277,7 +279,10 @@ fn profile(device: &Device, runs: usize, warmup: usize, report: &mut Report) {
     let step_ms = timings[0].0;
     report.record(format!("profile{depth}"), "train_step", timings[0]);
     eprintln!("residual train step, depth {depth}: {step_ms:.1} ms");
-    eprintln!("{:>13} {:>10} {:>10} {:>7}", "op class", "per block", "x depth", "share");
+    eprintln!(
+        "{:>13} {:>10} {:>10} {:>7}",
+        "op class", "per block", "x depth", "share"
+    );
     let mut accounted = 0.0;
     for (class, timing) in OpClass::ALL.iter().zip(&timings[1..]) {
         report.record(format!("profile{depth}"), class.name(), *timing);

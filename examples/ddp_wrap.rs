@@ -181,13 +181,12 @@ impl TrainingProgressLogger for EpochLines {
     fn update_split(&mut self, _: usize) {}
 
     fn end_split(&mut self) {
-        let seconds = self.started.map_or(0.0, |started| started.elapsed().as_secs_f64());
+        let seconds = self
+            .started
+            .map_or(0.0, |started| started.elapsed().as_secs_f64());
         println!(
             "epoch {}/{}: {} split, {} images, {seconds:.1} s",
-            self.epoch,
-            self.epochs,
-            self.split,
-            self.items
+            self.epoch, self.epochs, self.split, self.items
         );
     }
 
@@ -239,7 +238,9 @@ fn strategy(args: &Args) -> Result<ExecutionStrategy, String> {
             "--strategy ddp needs --device cuda (got {name}): Burn 0.22.1 all-reduces gradients \
              only over NCCL"
         )),
-        other => Err(format!("--strategy {other}: expected single or ddp\n{USAGE}")),
+        other => Err(format!(
+            "--strategy {other}: expected single or ddp\n{USAGE}"
+        )),
     }
 }
 

@@ -10,6 +10,8 @@ use crate::error::{Error, Result};
 
 #[cfg(feature = "flex")]
 mod flex_kernels;
+#[cfg(feature = "flex")]
+pub(crate) mod gelu;
 #[cfg(any(feature = "cube-kernels", feature = "flex"))]
 pub(crate) mod sinkhorn;
 #[cfg(feature = "flex")]

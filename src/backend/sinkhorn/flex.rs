@@ -130,6 +130,19 @@ fn forward(logits: &[f64], matrix: &mut [f64], n: usize, iterations: usize) {
     }
 }
 
+/// The scaling a step divides (`column` for a column step) and the one across it.
+fn line_and_across<'a>(
+    columns: bool,
+    row: &'a mut [f64],
+    column: &'a mut [f64],
+) -> (&'a mut [f64], &'a [f64]) {
+    if columns {
+        (column, row)
+    } else {
+        (row, column)
+    }
+}
+
 /// Every iterate is `diag(row) P diag(column)`: rerun the forward keeping each step's
 /// denominators, walk back through them, then through the softmax (see the parent module).
 fn backward(logits: &[f64], upstream: &[f64], output: &mut [f64], n: usize, iterations: usize) {
@@ -141,11 +154,7 @@ fn backward(logits: &[f64], upstream: &[f64], output: &mut [f64], n: usize, iter
     // Step k normalises columns when k is even, rows when it is odd.
     for (k, sums) in sums.chunks_exact_mut(n).enumerate() {
         let columns = k % 2 == 0;
-        let (line, across) = if columns {
-            (&mut column, &row)
-        } else {
-            (&mut row, &column)
-        };
+        let (line, across) = line_and_across(columns, &mut row, &mut column);
         for a in 0..n {
             let total = MHC_EPS
                 + (0..n)
@@ -158,11 +167,7 @@ fn backward(logits: &[f64], upstream: &[f64], output: &mut [f64], n: usize, iter
     let mut grad = upstream.to_vec();
     for (k, sums) in sums.chunks_exact(n).enumerate().rev() {
         let columns = k % 2 == 0;
-        let (line, across) = if columns {
-            (&mut column, &row)
-        } else {
-            (&mut row, &column)
-        };
+        let (line, across) = line_and_across(columns, &mut row, &mut column);
         for a in 0..n {
             let dot = (0..n)
                 .map(|b| {

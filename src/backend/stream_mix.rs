@@ -242,23 +242,18 @@ fn backward<E: Scalar>(
     let with_addend = addend.is_some();
     let mut grad_units = vec![E::zero(); tokens * count * width];
     let mut grad_weights = vec![E::zero(); tokens * rows * count];
-    let mut grad_beta = vec![E::zero(); if with_addend { tokens * rows } else { 0 }];
-    let mut grad_branch = vec![
-        E::zero();
-        if with_addend {
-            tokens * views * width
-        } else {
-            0
-        }
-    ];
-    // Zero-length chunks are not allowed: without the addend its buffers get a dummy chunk size.
-    let (beta_chunk, branch_chunk) = if with_addend {
-        (TOKENS_PER_TASK * rows, TOKENS_PER_TASK * views * width)
+    // Without the addend its gradients are empty: every task gets an empty slice of them.
+    let (beta_len, branch_len) = if with_addend {
+        (tokens * rows, tokens * views * width)
     } else {
-        (1, 1)
+        (0, 0)
     };
-    let mut beta_tasks: Vec<&mut [E]> = grad_beta.chunks_mut(beta_chunk).collect();
-    let mut branch_tasks: Vec<&mut [E]> = grad_branch.chunks_mut(branch_chunk).collect();
+    let mut grad_beta = vec![E::zero(); beta_len];
+    let mut grad_branch = vec![E::zero(); branch_len];
+    let mut beta_tasks: Vec<&mut [E]> = grad_beta.chunks_mut(TOKENS_PER_TASK * rows).collect();
+    let mut branch_tasks: Vec<&mut [E]> = grad_branch
+        .chunks_mut(TOKENS_PER_TASK * views * width)
+        .collect();
     let task_count = tokens.div_ceil(TOKENS_PER_TASK);
     beta_tasks.resize_with(task_count, || &mut []);
     branch_tasks.resize_with(task_count, || &mut []);

@@ -7,6 +7,7 @@ use burn_flex::{Flex, FlexTensor};
 use rayon::prelude::*;
 
 use super::SinkhornBackend;
+use crate::backend::flex_kernels;
 use crate::mhc::MHC_EPS;
 
 /// Matrices per parallel task.
@@ -68,15 +69,12 @@ fn per_matrix(
 
 /// The elements of `tensor` as f64.
 fn values(tensor: &FlexTensor) -> Vec<f64> {
-    let contiguous = tensor.to_contiguous();
     match tensor.dtype() {
-        DType::F32 => contiguous
-            .as_slice::<f32>()
-            .expect("contiguous")
+        DType::F32 => flex_kernels::values::<f32>(tensor)
             .iter()
             .map(|&v| f64::from(v))
             .collect(),
-        DType::F64 => contiguous.as_slice::<f64>().expect("contiguous").to_vec(),
+        DType::F64 => flex_kernels::values::<f64>(tensor).into_owned(),
         other => panic!("Sinkhorn-Knopp: unsupported dtype {other:?}"),
     }
 }

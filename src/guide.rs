@@ -47,15 +47,15 @@
 //!
 //! | option | implements | notes |
 //! |---|---|---|
-//! | `SlowNetConfig { grid, out_channels, hidden, layers, omega_0 }` | the slow network (multiplicative filter network, §2.2): `z_i = sin(cA_i + a_i) ⊙ (z_{i-1}B + b) + P` over a `[-1, 1]` grid | reference init: `A ∝ 2π ω0 γ`, `γ ~ Gamma(6/(l+1), 1)`, `b = 1`, shared bias map `P`, Chang-scaled output; ω0 default 2000 |
+//! | `SlowNetConfig { grid, out_channels, hidden, layers, omega_0, s_renorm }` | the slow network (multiplicative filter network, §2.2): `z_i = sin(cA_i + a_i) ⊙ (z_{i-1}B + b) + P` over a `[-1, 1]` grid, optionally s-renormalised after each layer | reference init: `A ∝ 2π ω0 γ`, `γ ~ Gamma(6/(l+1), 1)`, `b = 1`, shared bias map `P`, Chang-scaled output; ω0 default 2000; s-renorm off here, on by default (`global_s_renorm`) in the global generators of SFNE and the HyperZZW connectivity (§2.2), whereas the reference code applies it only in its local generator |
 //! | [`global_hyperzzw_1d`](crate::hyperzzw::global_hyperzzw_1d) / `_2d`, [`Crop`](crate::hyperzzw::Crop) | eqs. 5–7, `conv(Z, Z ⊙ K)` | decision: FFT with zero padding to a power of two ≥ `2T − 1`, never circular; explicit causal (1D default) or same (2D default) crop |
 //! | [`global_hyperzzw_dot`](crate::hyperzzw::global_hyperzzw_dot) | the 2D reference code's matrix product on square maps | option for parity with the reference |
 //! | [`FftPath`](crate::hyperzzw::FftPath) | — | Burn's FFT on Flex and CubeCL, a matmul DFT elsewhere (NdArray) |
 //! | `LocalHyperZzwConfig { channels, kernel_size, dims, hidden, layers, omega_0 }` | eqs. 8–9: kernels from a pooled, batch-averaged context, s-renorm, depthwise "same" convolution | decision (SPEC 3.3): s-renorm's `a`, `b` learnable and its identity term not detached (the golden gradient agrees); kernel from one tensor may convolve another (MuHKGen) |
-//! | `SfneBlockConfig { in_channels, expansion, geometry, local_kernel_sizes, groups, …_hidden, layers, omega_0, dropout, crop, channel_mixer, hyper_channel, si_glu, hyper_interaction }` | §2.4, Fig. 3: the multi-branch block without residual, bottleneck λ, G-IBS, GELU | the reference's dense cross-block concatenation of earlier outputs is not implemented; branches can be switched off for ablations |
+//! | `SfneBlockConfig { in_channels, expansion, geometry, local_kernel_sizes, groups, …_hidden, layers, omega_0, dropout, crop, channel_mixer, hyper_channel, si_glu, hyper_interaction, global_s_renorm }` | §2.4, Fig. 3: the multi-branch block without residual, bottleneck λ, G-IBS, GELU | the reference's dense cross-block concatenation of earlier outputs is not implemented; branches can be switched off for ablations |
 //! | [`slow_neural_loss`](crate::hyperzzw::slow_neural_loss) | eqs. 11–12 | returned for the user to add |
 //! | `TerminatorConfig { classes, block, expansions }` | the Terminator model | reference λ = 4, 3, 2, 2, 2 |
-//! | `HyperZzwConnectivityConfig { d_model, max_len, local_kernel_sizes, hidden, layers, omega_0, crop }` | decision (SPEC 3.5): HyperZZW fusion of `h_j` and `s_{j-1}` in place of the identity shortcut, for `[B, T, d]` stacks | its `C` holds the additive chain only; local branches are not causal |
+//! | `HyperZzwConnectivityConfig { d_model, max_len, local_kernel_sizes, hidden, layers, omega_0, crop, global_s_renorm }` | decision (SPEC 3.5): HyperZZW fusion of `h_j` and `s_{j-1}` in place of the identity shortcut, for `[B, T, d]` stacks | its `C` holds the additive chain only; local branches are not causal |
 //!
 //! # Hyper-connections and frac-connections ([`HyperConnectionsConfig`](crate::HyperConnectionsConfig))
 //!

@@ -452,6 +452,8 @@ fn golden_slow_net(
             golden.tensor::<1>(&format!("{prefix}.shared_bias"), device)?,
         ),
         output: golden_linear(golden, &format!("{prefix}.output"), device)?,
+        // The golden vectors are the plain network of SPEC 3.1.
+        renorm: None,
         grid,
     })
 }

@@ -59,6 +59,9 @@ pub struct HyperZzwConnectivityConfig {
     /// Crop of the global convolution (causal by default).
     #[config(default = "Crop::Causal")]
     pub crop: Crop,
+    /// s-renormalisation in the global kernel generators (Terminator §2.2; see [`SlowNet`]).
+    #[config(default = true)]
+    pub global_s_renorm: bool,
 }
 
 impl ConnectivityConfig for HyperZzwConnectivityConfig {
@@ -85,6 +88,7 @@ impl ConnectivityConfig for HyperZzwConnectivityConfig {
                     .with_hidden(self.hidden)
                     .with_layers(self.layers)
                     .with_omega_0(self.omega_0)
+                    .with_s_renorm(self.global_s_renorm)
                     .init(device)?;
                 let locals = self
                     .local_kernel_sizes

@@ -25,7 +25,7 @@ use burn::tensor::ops::ConvOptions;
 
 use crate::activation::gelu;
 use crate::error::{Error, Result, check_size};
-use crate::hyperzzw::slow_net::{SlowNet, SlowNetConfig, linear};
+use crate::hyperzzw::slow_net::{SRenorm, SlowNet, SlowNetConfig, linear};
 
 /// Configuration of [`LocalHyperZzw`].
 #[derive(Config, Debug)]
@@ -103,38 +103,8 @@ impl LocalHyperZzwConfig {
             context: default_linear(hidden, hidden),
             slow_net,
             modulators,
-            renorm: SRenorm {
-                a: Param::from_tensor(Tensor::ones([hidden], device)),
-                b: Param::from_tensor(Tensor::full([hidden], 0.1, device)),
-            },
+            renorm: SRenorm::new(hidden, device),
         })
-    }
-}
-
-/// `s_renorm(z)_j = a_j z_j + b_j z_j / max(‖z_j‖₂, 1e-12)`, the norm over the grid points.
-#[derive(Module, Debug)]
-pub struct SRenorm {
-    /// Identity weight `a`, `[h]`, init 1.
-    pub a: Param<Tensor<1>>,
-    /// Normalised weight `b`, `[h]`, init 0.1.
-    pub b: Param<Tensor<1>>,
-}
-
-impl SRenorm {
-    /// Applies it to `z: [points, h]`.
-    pub fn forward(&self, z: Tensor<2>) -> Tensor<2> {
-        let hidden = self.a.dims()[0];
-        let norm = z
-            .clone()
-            .powf_scalar(2.0)
-            .sum_dim(0)
-            .sqrt()
-            .clamp_min(1e-12);
-        let (a, b) = (
-            self.a.val().reshape([1, hidden]),
-            self.b.val().reshape([1, hidden]),
-        );
-        z.clone() * a + z / norm * b
     }
 }
 

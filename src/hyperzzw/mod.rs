@@ -25,10 +25,10 @@ pub use fft::FftPath;
 pub use global::{
     Crop, Geometry, direct_conv_1d, global_hyperzzw_1d, global_hyperzzw_2d, global_hyperzzw_dot,
 };
-pub use local::{LocalHyperZzw, LocalHyperZzwConfig, SRenorm};
+pub use local::{LocalHyperZzw, LocalHyperZzwConfig};
 pub use sfne::{
     HyperChannel, HyperInteraction, LocalBranch, Rgu, SfneBlock, SfneBlockConfig, SfneOutput,
     batch_standardize, group_ibs, instance_standardize, slow_neural_loss,
 };
-pub use slow_net::{SlowNet, SlowNetConfig};
+pub use slow_net::{SRenorm, SlowNet, SlowNetConfig};
 pub use terminator::{Terminator, TerminatorConfig, TerminatorOutput};

@@ -294,6 +294,10 @@ pub struct SfneBlockConfig {
     /// The hyper interaction branch.
     #[config(default = true)]
     pub hyper_interaction: bool,
+    /// s-renormalisation in the global kernel generator `K_g` (Terminator §2.2; see
+    /// [`SlowNet`]).
+    #[config(default = true)]
+    pub global_s_renorm: bool,
 }
 
 impl SfneBlockConfig {
@@ -374,8 +378,14 @@ impl SfneBlockConfig {
             + usize::from(self.hyper_interaction)
             + locals.len();
         let positions = self.geometry.positions();
+        let global = SlowNetConfig::new(grid, channels)
+            .with_hidden(self.global_hidden)
+            .with_layers(self.layers)
+            .with_omega_0(self.omega_0)
+            .with_s_renorm(self.global_s_renorm)
+            .init(device)?;
         Ok(SfneBlock {
-            global: slow_net(grid, channels, self.global_hidden)?,
+            global,
             rgu_context: Rgu::new(channels, positions, device),
             rgu_input: Rgu::new(channels, positions, device),
             mixer: self

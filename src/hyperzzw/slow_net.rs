@@ -7,8 +7,17 @@
 //! g_l(c) = sin(c A_l + a_l)                               l = 0..L
 //! z_0    = g_0(c)
 //! z_i    = g_i(c) ⊙ (z_{i-1} B_{i-1} + b_{i-1}) + P        i = 1..L, P: [points] shared by all channels
+//! z_i    = s_renorm(z_i)                                   optional (`s_renorm`)
 //! K      = z_L W_o + w_o                                   [points, C_out]
+//! s_renorm(z)_j = a_j z_j + b_j z_j / max(‖z_j‖₂, 1e-12)  norm over the grid points; a = 1, b = 0.1, learnable
 //! ```
+//!
+//! s-renormalisation (Terminator §2.2) adds a unit-norm copy of every hidden channel, so the
+//! kernel's scale no longer rests on the product of `L` sine layers alone. The crate's global
+//! kernel generators turn it on by default (HyperZZW connectivity, SFNE); the plain network of
+//! SPEC 3.1 (the golden vectors') has it off. As for the local generator, `a`, `b` are learnable
+//! and the identity term is not detached (SPEC 3.3; the reference code's constants 1 and 0.1 are
+//! the init).
 //!
 //! Init (reference code): `A_l = U(±1/√D) · 2π ω0 γ_l` with `γ_l ~ Gamma(6/(l+1), 1)` drawn once
 //! (not trained), `a_l = 0`; `B_i = U(±√(3/h))`, `b_i = 1`; `P = 0`; `W_o = U(±√(3/h)) / √points`
@@ -38,6 +47,9 @@ pub struct SlowNetConfig {
     /// Frequency scale ω0 (reference 2000; smaller gives smoother kernels).
     #[config(default = 2000.0)]
     pub omega_0: f64,
+    /// s-renormalisation after each multiplicative layer.
+    #[config(default = false)]
+    pub s_renorm: bool,
 }
 
 impl SlowNetConfig {
@@ -99,6 +111,7 @@ impl SlowNetConfig {
             linears,
             shared_bias: Param::from_tensor(Tensor::zeros([points], device)),
             output: linear(output, Tensor::zeros([self.out_channels], device)),
+            renorm: self.s_renorm.then(|| SRenorm::new(hidden, device)),
             grid: self.grid.clone(),
         })
     }
@@ -124,6 +137,8 @@ pub struct SlowNet {
     pub shared_bias: Param<Tensor<1>>,
     /// The output layer `W_o, w_o`, `h → C_out`.
     pub output: Linear,
+    /// The s-renormalisation after each multiplicative layer, if on.
+    pub renorm: Option<SRenorm>,
     /// Kernel points per axis.
     pub grid: Vec<usize>,
 }
@@ -170,7 +185,11 @@ impl SlowNet {
 
     /// The kernel as `[points, C_out]`.
     pub fn kernel(&self) -> Tensor<2> {
-        self.output.forward(self.hidden_with(|_, hidden| hidden))
+        let hidden = self.hidden_with(|_, hidden| match &self.renorm {
+            Some(renorm) => renorm.forward(hidden),
+            None => hidden,
+        });
+        self.output.forward(hidden)
     }
 
     /// Output channels `C_out`.
@@ -204,6 +223,41 @@ impl SlowNet {
             .kernel()
             .transpose()
             .reshape([1, self.out_channels(), rows, columns]))
+    }
+}
+
+/// `s_renorm(z)_j = a_j z_j + b_j z_j / max(‖z_j‖₂, 1e-12)`, the norm over the grid points.
+#[derive(Module, Debug)]
+pub struct SRenorm {
+    /// Identity weight `a`, `[h]`, init 1.
+    pub a: Param<Tensor<1>>,
+    /// Normalised weight `b`, `[h]`, init 0.1.
+    pub b: Param<Tensor<1>>,
+}
+
+impl SRenorm {
+    /// `a = 1`, `b = 0.1` for `hidden` channels (the reference code's values).
+    pub fn new(hidden: usize, device: &Device) -> Self {
+        Self {
+            a: Param::from_tensor(Tensor::ones([hidden], device)),
+            b: Param::from_tensor(Tensor::full([hidden], 0.1, device)),
+        }
+    }
+
+    /// Applies it to `z: [points, h]`.
+    pub fn forward(&self, z: Tensor<2>) -> Tensor<2> {
+        let hidden = self.a.dims()[0];
+        let norm = z
+            .clone()
+            .powf_scalar(2.0)
+            .sum_dim(0)
+            .sqrt()
+            .clamp_min(1e-12);
+        let (a, b) = (
+            self.a.val().reshape([1, hidden]),
+            self.b.val().reshape([1, hidden]),
+        );
+        z.clone() * a + z / norm * b
     }
 }
 
@@ -328,6 +382,99 @@ mod tests {
         // Frequencies are scaled by 2π ω0 γ: far beyond the unscaled U(±1) bound.
         let filter: Vec<f64> = net.filters[0].weight.val().into_data().iter().collect();
         assert!(filter.iter().any(|w| w.abs() > 100.0));
+    }
+
+    /// The kernel with s-renormalisation, computed on the host in f64 from the weights:
+    /// `z_i = sin(c A_i + a_i) ⊙ (z_{i-1} B + b) + P`, then `a ⊙ z + b ⊙ z / ‖z‖` per channel.
+    #[test]
+    fn s_renorm_matches_its_closed_form() {
+        let device = Device::flex();
+        let (points, hidden, out) = (6, 4, 3);
+        let mut net = SlowNetConfig::new(vec![points], out)
+            .with_hidden(hidden)
+            .with_omega_0(3.0)
+            .with_s_renorm(true)
+            .init(&device)
+            .unwrap();
+        let renorm = net.renorm.as_mut().unwrap();
+        renorm.a = Param::from_data([0.5, 1.0, 1.5, 2.0], &device);
+        renorm.b = Param::from_data([0.1, -0.2, 0.3, 0.7], &device);
+        net.shared_bias = Param::from_tensor(Tensor::random(
+            [points],
+            Distribution::Normal(0.0, 0.5),
+            &device,
+        ));
+
+        let host = |tensor: Tensor<2>| -> Vec<Vec<f64>> {
+            let columns = tensor.dims()[1];
+            let values: Vec<f64> = tensor.into_data().iter().collect();
+            values.chunks(columns).map(<[f64]>::to_vec).collect()
+        };
+        let vector = |tensor: Tensor<1>| -> Vec<f64> { tensor.into_data().iter().collect() };
+        let affine = |x: &[Vec<f64>], layer: &Linear| -> Vec<Vec<f64>> {
+            let (weight, bias) = (
+                host(layer.weight.val()),
+                vector(layer.bias.as_ref().unwrap().val()),
+            );
+            x.iter()
+                .map(|row| {
+                    (0..bias.len())
+                        .map(|j| {
+                            bias[j] + row.iter().zip(&weight).map(|(v, w)| v * w[j]).sum::<f64>()
+                        })
+                        .collect()
+                })
+                .collect()
+        };
+        let coordinates = host(net.coordinates(&device));
+        let sine = |layer: &Linear| -> Vec<Vec<f64>> {
+            affine(&coordinates, layer)
+                .into_iter()
+                .map(|row| row.into_iter().map(f64::sin).collect())
+                .collect()
+        };
+        let renorm = net.renorm.as_ref().unwrap();
+        let (a, b) = (vector(renorm.a.val()), vector(renorm.b.val()));
+        let shared_bias = vector(net.shared_bias.val());
+        let mut z = sine(&net.filters[0]);
+        for (filter, linear) in net.filters[1..].iter().zip(&net.linears) {
+            let (g, mixed) = (sine(filter), affine(&z, linear));
+            z = (0..points)
+                .map(|p| {
+                    (0..hidden)
+                        .map(|j| g[p][j] * mixed[p][j] + shared_bias[p])
+                        .collect()
+                })
+                .collect();
+            let norms: Vec<f64> = (0..hidden)
+                .map(|j| (0..points).map(|p| z[p][j] * z[p][j]).sum::<f64>().sqrt())
+                .collect();
+            for row in &mut z {
+                for j in 0..hidden {
+                    row[j] = a[j] * row[j] + b[j] * row[j] / norms[j];
+                }
+            }
+        }
+        let expected: Vec<f64> = affine(&z, &net.output).concat();
+        let actual: Vec<f64> = net.kernel().into_data().iter().collect();
+        for (actual, expected) in actual.iter().zip(&expected) {
+            assert!((actual - expected).abs() < 1e-4, "{actual} vs {expected}");
+        }
+        // Off, the same weights give another kernel: the switch is not a no-op.
+        let plain: Vec<f64> = SlowNet {
+            renorm: None,
+            ..net.clone()
+        }
+        .kernel()
+        .into_data()
+        .iter()
+        .collect();
+        assert!(
+            plain
+                .iter()
+                .zip(&expected)
+                .any(|(p, e)| (p - e).abs() > 1e-2)
+        );
     }
 
     #[test]

@@ -18,6 +18,12 @@
 //! [`StreamConnectivity::step_with_tail`]). At sublayer level attention and feed-forward are
 //! separate targets. With H-ACN's ResNet preset every variant computes the plain encoder.
 //!
+//! **DepthLN** (H-ACN App. D, SPEC §4; [`ConnectedEncoder::with_depth_ln`]): every norm of layer
+//! `l` (counted from 1) becomes `DepthLN(x) = (1 + l·s_l)·LN(x)`, the layer's own LayerNorm
+//! (loaded weights kept) scaled by one learnable strength `s_l` per layer (init 0.05), shared by
+//! the layer's two norms. The strengths live under `depth_ln.…`; train them with the
+//! connectivity's parameter group (no weight decay).
+//!
 //! The layers keep the record paths of a `TransformerEncoder` (`layers.{i}.mha.query.weight`…),
 //! so a saved encoder loads into the wrapper ([`ConnectedEncoder::load_encoder_record`]); the
 //! connectivity's parameters live under `connectivity.…`.
@@ -41,6 +47,7 @@
 //! ```
 
 use burn::module::{Module, ModuleVisitor, Param};
+use burn::nn::LayerNorm;
 use burn::nn::attention::{MhaInput, generate_autoregressive_mask};
 use burn::nn::transformer::{TransformerEncoder, TransformerEncoderLayer};
 use burn::prelude::*;
@@ -48,7 +55,7 @@ use burn::store::ModuleRecord;
 use burn::tensor::Bool;
 
 use crate::connectivity::{Connectivity, ConnectivityConfig, StreamConnectivity};
-use crate::error::{Error, Result, check_depth};
+use crate::error::{Error, Result, check_depth, check_finite};
 use crate::matrix::ConnectivityMatrix;
 
 /// Where the connectivity takes over the shortcuts of each encoder layer.
@@ -112,6 +119,8 @@ pub struct ConnectedEncoder<C> {
     /// Whether the connectivity wires layers or sublayers.
     #[module(skip)]
     pub granularity: Granularity,
+    /// The DepthLN strengths `s_l`, one per layer (`[L]`), if the norms are DepthLN.
+    pub depth_ln: Option<Param<Tensor<1>>>,
 }
 
 impl<C: Connectivity> ConnectedEncoder<C> {
@@ -185,6 +194,23 @@ impl<C: Connectivity> ConnectedEncoder<C> {
             layers,
             connectivity,
             granularity,
+            depth_ln: None,
+        })
+    }
+
+    /// Turns every layer norm into DepthLN at its layer's depth, all strengths starting at
+    /// `strength` (paper: 0.05). The LayerNorms keep their weights, so a loaded encoder stays
+    /// loaded; with `strength = 0` the model is unchanged until the strengths train.
+    ///
+    /// # Errors
+    /// [`Error::NonFinite`] for a non-finite strength.
+    pub fn with_depth_ln(self, strength: f64) -> Result<Self> {
+        check_finite("DepthLN strength", strength)?;
+        let device = self.layers[0].mha.query.weight.device();
+        let strengths = Tensor::full([self.num_layers()], strength, &device);
+        Ok(Self {
+            depth_ln: Some(Param::from_tensor(strengths)),
+            ..self
         })
     }
 
@@ -215,6 +241,10 @@ impl<C: Connectivity> ConnectedEncoder<C> {
             layers: self.layers[..layers].to_vec(),
             connectivity: self.connectivity.truncated(blocks)?,
             granularity: self.granularity,
+            depth_ln: self
+                .depth_ln
+                .as_ref()
+                .map(|strengths| Param::from_tensor(strengths.val().narrow(0, 0, layers))),
         })
     }
 
@@ -326,39 +356,51 @@ impl<C: StreamConnectivity<3>> ConnectedEncoder<C> {
         let layer = &self.layers[index];
         let wiring = &self.connectivity;
         let input = wiring.block_input(&state);
+        let norm_1 = |x| self.norm(&layer.norm_1, index, x);
+        let norm_2 = |x| self.norm(&layer.norm_2, index, x);
         match (self.granularity, layer.norm_first) {
             (Granularity::Block, true) => {
-                let branch = attention(layer, layer.norm_2.forward(input), masks);
+                let branch = attention(layer, norm_2(input), masks);
                 wiring.step_with_tail(state, index, branch, |mixed| {
-                    mixed.clone() + feed_forward(layer, layer.norm_1.forward(mixed))
+                    mixed.clone() + feed_forward(layer, norm_1(mixed))
                 })
             }
             (Granularity::Block, false) => {
                 let branch = attention(layer, input, masks);
                 wiring.step_with_tail(state, index, branch, |mixed| {
-                    let mixed = layer.norm_1.forward(mixed);
-                    layer
-                        .norm_2
-                        .forward(mixed.clone() + feed_forward(layer, mixed))
+                    let mixed = norm_1(mixed);
+                    norm_2(mixed.clone() + feed_forward(layer, mixed))
                 })
             }
             (Granularity::Sublayer, true) => {
-                let branch = attention(layer, layer.norm_2.forward(input), masks);
+                let branch = attention(layer, norm_2(input), masks);
                 let state = wiring.step(state, 2 * index, branch);
                 let input = wiring.block_input(&state);
-                let branch = feed_forward(layer, layer.norm_1.forward(input));
+                let branch = feed_forward(layer, norm_1(input));
                 wiring.step(state, 2 * index + 1, branch)
             }
             (Granularity::Sublayer, false) => {
                 let branch = attention(layer, input, masks);
-                let state = wiring.step_with_tail(state, 2 * index, branch, |mixed| {
-                    layer.norm_1.forward(mixed)
-                });
+                let state = wiring.step_with_tail(state, 2 * index, branch, norm_1);
                 let branch = feed_forward(layer, wiring.block_input(&state));
-                wiring.step_with_tail(state, 2 * index + 1, branch, |mixed| {
-                    layer.norm_2.forward(mixed)
-                })
+                wiring.step_with_tail(state, 2 * index + 1, branch, norm_2)
             }
+        }
+    }
+
+    /// `LN(x)`, or `(1 + l·s_l)·LN(x)` with DepthLN, for a norm of layer `index` (`l = index + 1`).
+    fn norm(&self, norm: &LayerNorm, index: usize, input: Tensor<3>) -> Tensor<3> {
+        let normed = norm.forward(input);
+        match &self.depth_ln {
+            Some(strengths) => {
+                let scale = strengths
+                    .val()
+                    .narrow(0, index, 1)
+                    .mul_scalar((index + 1) as f64)
+                    .add_scalar(1.0);
+                normed * scale.reshape([1, 1, 1])
+            }
+            None => normed,
         }
     }
 }
@@ -607,6 +649,107 @@ mod tests {
             states.push(branch + mixture);
         }
         assert_close(model.forward(x, &masks), states.pop().unwrap());
+    }
+
+    /// DepthLN keeps the loaded norms and scales each by `(1 + l·s_l)`: the wrapper equals a
+    /// hand-written pre-norm block-level H-ACN whose norms are `DepthLn` modules holding the
+    /// layer's own LayerNorm, at every granularity the scale reaches every norm, and truncation
+    /// keeps the leading strengths.
+    #[test]
+    fn depth_ln_scales_the_loaded_norms_by_depth() {
+        use crate::depth_ln::DepthLn;
+        let device = Device::flex();
+        let (x, masks) = (input(&device), masks(&device));
+        let strengths = [0.05, -0.3, 0.2];
+        let model = ConnectedEncoder::new(
+            encoder(true, &device),
+            Granularity::Block,
+            &gates(LAYERS),
+            &device,
+        )
+        .unwrap()
+        .with_depth_ln(0.05)
+        .unwrap();
+        let model = ConnectedEncoder {
+            depth_ln: Some(Param::from_data(strengths, &device)),
+            ..model
+        };
+        let depth_ln = |norm: &LayerNorm, depth: usize| DepthLn {
+            norm: norm.clone(),
+            strength: Param::from_data([strengths[depth - 1]], &device),
+            depth,
+        };
+
+        let (mut stream, mut sum) = (x.clone(), x.clone());
+        for (index, (layer, gate)) in model.layers.iter().zip(GATES).enumerate() {
+            let (norm_1, norm_2) = (
+                depth_ln(&layer.norm_1, index + 1),
+                depth_ln(&layer.norm_2, index + 1),
+            );
+            let carried = stream.clone() * gate;
+            let mixed = attention(layer, norm_2.forward(stream), &masks) + carried.clone();
+            stream = mixed.clone() + feed_forward(layer, norm_1.forward(mixed));
+            sum = sum + stream.clone() - carried;
+        }
+        assert_close(model.forward(x.clone(), &masks), sum);
+
+        // Strength 0 is the plain wrapper; any other changes every variant's output.
+        for (norm_first, granularity) in VARIANTS {
+            let config = gates(LAYERS * granularity.blocks_per_layer());
+            let plain =
+                ConnectedEncoder::new(encoder(norm_first, &device), granularity, &config, &device)
+                    .unwrap();
+            let expected = plain.forward(x.clone(), &masks);
+            let zero = plain.clone().with_depth_ln(0.0).unwrap();
+            assert_close(zero.forward(x.clone(), &masks), expected.clone());
+            let scaled = plain.with_depth_ln(0.05).unwrap();
+            let difference = (scaled.forward(x.clone(), &masks) - expected)
+                .abs()
+                .max()
+                .into_scalar::<f32>();
+            assert!(
+                difference > 1e-3,
+                "{norm_first} {granularity:?}: {difference}"
+            );
+            let truncated = scaled.truncated(2).unwrap();
+            assert_eq!(truncated.depth_ln.unwrap().dims(), [2]);
+        }
+        assert!(matches!(
+            model.with_depth_ln(f64::NAN),
+            Err(Error::NonFinite { .. })
+        ));
+    }
+
+    #[test]
+    fn depth_ln_strengths_train() {
+        let device = Device::flex().autodiff();
+        let model = ConnectedEncoder::new(
+            encoder(true, &device),
+            Granularity::Sublayer,
+            &gates(2 * LAYERS),
+            &device,
+        )
+        .unwrap()
+        .with_depth_ln(0.05)
+        .unwrap();
+        let grads = model
+            .forward(input(&device), &EncoderMasks::default())
+            .powf_scalar(2.0)
+            .sum()
+            .backward();
+        let strengths = model.depth_ln.as_ref().unwrap();
+        let gradient: Vec<f32> = strengths
+            .val()
+            .grad(&grads)
+            .unwrap()
+            .into_data()
+            .iter()
+            .collect();
+        assert_eq!(gradient.len(), LAYERS);
+        assert!(
+            gradient.iter().all(|g| g.is_finite() && *g != 0.0),
+            "{gradient:?}"
+        );
     }
 
     #[test]

@@ -16,7 +16,6 @@
 //! **Decision** (SPEC): `a`, `b` are learnable and the identity term is not detached, unlike
 //! the reference code (where they are unregistered constants 1 and 0.1).
 
-use burn::module::Param;
 use burn::nn::Linear;
 use burn::prelude::*;
 use burn::tensor::Distribution;
@@ -249,6 +248,8 @@ impl LocalHyperZzw {
 #[cfg(test)]
 mod tests {
     use burn::tensor::Tolerance;
+
+    use burn::module::Param;
 
     use super::*;
 

@@ -106,6 +106,10 @@ pub enum Error {
         available: String,
     },
 
+    /// burn-optim refused a learning-rate schedule.
+    #[error("invalid learning-rate schedule: {0}")]
+    Schedule(String),
+
     /// Drawing a chart failed (feature `plot`).
     #[error("plotting failed: {0}")]
     Plot(String),

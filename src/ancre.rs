@@ -23,6 +23,23 @@
 //!
 //! In branch outputs, `coef(s_j) = e_j + Σ_{i<j} p_ij coef(s_i)`, so `C[:, j] = coef(s_{j-1})`
 //! and `out = coef(s_K)`.
+//!
+//! **Families** (paper §4.2, "module level"; SPEC §4): with `families = F`, block `j` belongs
+//! to family `(j − 1) mod F` and mixes only the inputs of its own family's blocks up to itself:
+//! sources `i < j` with `(j − 1 − i) mod F = 0`, one softmax per family. In a transformer wired
+//! at [`Granularity::Sublayer`](crate::transformer::Granularity) (attention, feed-forward,
+//! attention, …) `F = 2` gives the paper's two families,
+//!
+//! ```text
+//! m_j     = MHSA_j(LN(a_j)) + Σ_{i<=j} pA_ij a_i
+//! a_{j+1} = FFN_j(LN(m_j))  + Σ_{i<=j} pF_ij m_i
+//! ```
+//!
+//! and `residual_families` keeps some families on the plain residual (`p_{j-1,j} = 1`):
+//! [`AncreConfig::module_level`] builds the paper's rows (MHSA-only, FFN-only, both).
+//!
+//! **Ablations** ([`Mixing`], the paper's Tables 4–5): raw coefficients without normalisation,
+//! fixed uniform `1/j` (not trained), and a learnable cascade (only `p_{j-1,j}` kept, learned).
 
 use burn::module::Param;
 use burn::prelude::*;
@@ -31,7 +48,7 @@ use burn::tensor::activation::softmax;
 use crate::connectivity::{
     Connectivity, ConnectivityConfig, Scales, StreamConnectivity, UsedEntries, leading_part,
 };
-use crate::error::{Error, Result, check_depth, check_finite, check_positive};
+use crate::error::{Error, Result, check_depth, check_finite, check_positive, check_size};
 use crate::matrix::ConnectivityMatrix;
 
 /// Which softmax turns the logits into coefficients.
@@ -41,6 +58,21 @@ pub enum Normalization {
     Ingoing,
     /// Softmax over the targets `j > i` of each source `i` (the ablation, eq. 6).
     Outgoing,
+}
+
+/// How the coefficients `p` come from the parameters (the paper's ablations; SPEC §2).
+#[derive(Config, Debug, Copy, PartialEq, Eq)]
+pub enum Mixing {
+    /// `p = softmax(c / τ)` under the [`Normalization`] (the method).
+    Softmax,
+    /// No normalisation: the parameters are the coefficients themselves, `p_ij = c_ij`,
+    /// starting at the softmax of the initial logits (uniform `1/j` by default).
+    Raw,
+    /// Fixed uniform coefficients `p_ij = 1/j` over each target's sources, not trained.
+    FixedUniform,
+    /// Learnable cascade only: the single shortcut `p_{j-1,j}` per target, a raw learnable
+    /// coefficient starting at 1 (the plain residual); every other shortcut is cut.
+    Cascade,
 }
 
 /// How the logits `c_ij` start.
@@ -74,12 +106,47 @@ pub struct AncreConfig {
     /// Logit initialisation; default uniform.
     #[config(default = "AncreInit::Uniform")]
     pub init: AncreInit,
+    /// How coefficients come from the parameters; default the softmax.
+    #[config(default = "Mixing::Softmax")]
+    pub mixing: Mixing,
+    /// Interleaved families of blocks, each mixing only its own blocks' inputs (module docs).
+    #[config(default = 1)]
+    pub families: usize,
+    /// Families whose blocks keep the plain residual `p_{j-1,j} = 1` (indices `< families`).
+    #[config(default = "Vec::new()")]
+    pub residual_families: Vec<usize>,
+}
+
+/// Which sublayers of a transformer learn their shortcuts at ANCRe's module level (use with
+/// [`Granularity::Sublayer`](crate::transformer::Granularity), attention then feed-forward).
+#[derive(Config, Debug, Copy, PartialEq, Eq)]
+pub enum ModuleLevel {
+    /// MHSA-only: the attention family learns, the feed-forward keeps its residual (the same
+    /// model as block level).
+    Attention,
+    /// FFN-only: the feed-forward family learns, attention keeps its residual.
+    FeedForward,
+    /// Both families learn, each with its own softmax.
+    Both,
 }
 
 impl AncreConfig {
     /// Starts as a plain ResNet, every coefficient within `tolerance` of it.
     pub fn residual(tolerance: f64) -> Self {
         Self::new().with_init(AncreInit::Residual { tolerance })
+    }
+
+    /// ANCRe at module level (paper §4.2): two families, attention and feed-forward sublayers,
+    /// of which `level` says which learn.
+    pub fn module_level(level: ModuleLevel) -> Self {
+        let residual_families = match level {
+            ModuleLevel::Attention => vec![1],
+            ModuleLevel::FeedForward => vec![0],
+            ModuleLevel::Both => vec![],
+        };
+        Self::new()
+            .with_families(2)
+            .with_residual_families(residual_families)
     }
 
     fn initial_logits(&self, num_blocks: usize) -> Result<Vec<Vec<f64>>> {
@@ -122,6 +189,37 @@ impl AncreConfig {
     }
 }
 
+impl AncreConfig {
+    /// The connectivity with these settings and parameters.
+    fn connectivity(&self, num_blocks: usize, logits: Tensor<2>) -> Ancre {
+        Ancre {
+            logits: Param::from_tensor(logits),
+            temperature: self.temperature,
+            normalization: self.normalization,
+            num_blocks,
+            mixing: self.mixing,
+            families: self.families,
+            residual_families: self.residual_families.clone(),
+        }
+    }
+}
+
+/// Whether target `j` mixes source `i` under these settings.
+fn shortcut(
+    source: usize,
+    target: usize,
+    families: usize,
+    residual_families: &[usize],
+    mixing: Mixing,
+) -> bool {
+    if source >= target || (target - 1 - source) % families != 0 {
+        return false;
+    }
+    let residual =
+        mixing == Mixing::Cascade || residual_families.contains(&((target - 1) % families));
+    !residual || source + 1 == target
+}
+
 impl ConnectivityConfig for AncreConfig {
     type Connectivity = Ancre;
 
@@ -130,22 +228,42 @@ impl ConnectivityConfig for AncreConfig {
             return Err(Error::NoBlocks);
         }
         check_positive("ANCRe temperature", self.temperature)?;
+        check_size("ANCRe families", self.families)?;
+        if let Some(&family) = self.residual_families.iter().find(|&&f| f >= self.families) {
+            return Err(Error::OutOfRange {
+                name: "ANCRe residual family",
+                value: family as f64,
+                requirement: "< families",
+            });
+        }
         let size = num_blocks + 1;
-        let logits: Vec<f64> = self.initial_logits(num_blocks)?.concat();
-        let logits = Tensor::<2>::from_data(TensorData::new(logits, [size, size]), device);
-        Ok(Ancre {
-            logits: Param::from_tensor(logits),
-            temperature: self.temperature,
-            normalization: self.normalization,
-            num_blocks,
-        })
+        let logits = self.initial_logits(num_blocks)?;
+        let parameters: Vec<f64> = match self.mixing {
+            Mixing::Softmax | Mixing::FixedUniform => logits.concat(),
+            // The raw coefficients start where the softmax of the initial logits is.
+            Mixing::Raw => {
+                let logits =
+                    Tensor::from_data(TensorData::new(logits.concat(), [size, size]), device);
+                let softmax = Ancre {
+                    mixing: Mixing::Softmax,
+                    ..self.connectivity(num_blocks, logits)
+                };
+                softmax.coefficients().into_data().iter::<f64>().collect()
+            }
+            Mixing::Cascade => (0..size * size)
+                .map(|k| f64::from(k / size + 1 == k % size))
+                .collect(),
+        };
+        let tensor = Tensor::<2>::from_data(TensorData::new(parameters, [size, size]), device);
+        Ok(self.connectivity(num_blocks, tensor))
     }
 }
 
 /// Learned softmax shortcuts over all earlier block inputs (see the [module docs](self)).
 #[derive(Module, Debug)]
 pub struct Ancre {
-    /// The logits `c_ij`, `[K'+1, K'+1]` with `K' >= K` (entries `i < j` are used).
+    /// The logits `c_ij`, `[K'+1, K'+1]` with `K' >= K` (entries `i < j` are used); the raw
+    /// coefficients themselves under [`Mixing::Raw`] and [`Mixing::Cascade`].
     pub logits: Param<Tensor<2>>,
     /// The softmax temperature τ.
     pub temperature: f64,
@@ -155,6 +273,13 @@ pub struct Ancre {
     /// Number of blocks `K` wired. Smaller than the logit matrix only for a truncated outgoing
     /// ANCRe, whose coefficients depend on every target of a source.
     pub num_blocks: usize,
+    /// How coefficients come from the parameters.
+    #[module(skip)]
+    pub mixing: Mixing,
+    /// Interleaved families of blocks.
+    pub families: usize,
+    /// Families kept on the plain residual.
+    pub residual_families: Vec<usize>,
 }
 
 /// The running state of [`Ancre`].
@@ -162,8 +287,9 @@ pub struct Ancre {
 pub struct AncreState<const D: usize> {
     /// The stream `s_j`, input of the next block.
     pub stream: Tensor<D>,
-    /// `Σ_{i<=j} p_it s_i` for the targets `t = j+1..=K`, in order.
-    pending: Vec<Tensor<D>>,
+    /// `Σ_{i<=j} p_it s_i` for the targets `t = j+1..=K`, in order (`None` while no source of
+    /// the target has been seen).
+    pending: Vec<Option<Tensor<D>>>,
     /// The coefficients `p` (row = source, column = target), computed once per forward pass.
     coefficients: Scales,
 }
@@ -174,25 +300,63 @@ impl Ancre {
     pub fn coefficients(&self) -> Tensor<2> {
         let size = self.logits.dims()[0];
         let device = self.logits.device();
-        let shortcut: Vec<bool> = (0..size * size).map(|k| k / size < k % size).collect();
+        let shortcut: Vec<bool> = (0..size * size)
+            .map(|k| self.shortcut(k / size, k % size))
+            .collect();
         let no_shortcut =
             Tensor::<2, Bool>::from_data(TensorData::new(shortcut, [size, size]), &device)
                 .bool_not();
+        let kept = self.num_blocks + 1;
+        // Residual families' own shortcuts are 1 whatever the normalisation.
+        let residual: Vec<bool> = (0..size * size)
+            .map(|k| {
+                let (source, target) = (k / size, k % size);
+                source + 1 == target
+                    && self
+                        .residual_families
+                        .contains(&((target - 1) % self.families))
+            })
+            .collect();
+        let residual =
+            Tensor::<2, Bool>::from_data(TensorData::new(residual, [size, size]), &device);
+        let keep = |p: Tensor<2>| {
+            p.mask_fill(residual, 1.0)
+                .narrow(0, 0, kept)
+                .narrow(1, 0, kept)
+        };
+        if matches!(self.mixing, Mixing::Raw | Mixing::Cascade) {
+            return keep(self.logits.val().mask_fill(no_shortcut, 0.0));
+        }
+        let logits = match self.mixing {
+            // Zero logits give 1/j; detached, so nothing trains them.
+            Mixing::FixedUniform => self.logits.val().zeros_like().detach(),
+            _ => self.logits.val(),
+        };
         // A large finite fill (not -inf) keeps the empty column 0 / row K free of NaN.
-        let scaled = self
-            .logits
-            .val()
+        let scaled = logits
             .div_scalar(self.temperature)
             .mask_fill(no_shortcut.clone(), -1e30);
         let dim = match self.normalization {
             Normalization::Ingoing => 0,
             Normalization::Outgoing => 1,
         };
-        let kept = self.num_blocks + 1;
-        softmax(scaled, dim)
-            .mask_fill(no_shortcut, 0.0)
-            .narrow(0, 0, kept)
-            .narrow(1, 0, kept)
+        keep(softmax(scaled, dim).mask_fill(no_shortcut, 0.0))
+    }
+
+    /// Whether target `j` mixes source `i` (see the [module docs](self)).
+    pub fn shortcut(&self, source: usize, target: usize) -> bool {
+        shortcut(
+            source,
+            target,
+            self.families,
+            &self.residual_families,
+            self.mixing,
+        )
+    }
+
+    /// Whether a gradient reaches the coefficients.
+    fn trained(&self) -> bool {
+        self.mixing != Mixing::FixedUniform && self.logits.val().is_require_grad()
     }
 
     /// The coefficients `p` read back to the host, `p[i][j]`.
@@ -315,11 +479,14 @@ impl<const D: usize> StreamConnectivity<D> for Ancre {
         let coefficients = Scales::new(
             self.coefficients(),
             UsedEntries::AboveDiagonal,
-            self.logits.val().is_require_grad(),
+            self.trained(),
             input.dims()[D - 1],
         );
         let pending = (1..=self.num_blocks)
-            .map(|target| coefficients.scale(0, target, input.clone()))
+            .map(|target| {
+                self.shortcut(0, target)
+                    .then(|| coefficients.scale(0, target, input.clone()))
+            })
             .collect();
         AncreState {
             stream: input,
@@ -343,15 +510,23 @@ impl<const D: usize> StreamConnectivity<D> for Ancre {
         let mut pending = std::mem::take(&mut state.pending).into_iter();
         let mixture = pending
             .next()
-            .expect("one pending mixture per remaining block");
+            .flatten()
+            .expect("every target mixes at least its own input");
         state.stream = tail(branch + mixture);
         state.pending = pending
             .enumerate()
             .map(|(offset, sum)| {
                 let target = source + 1 + offset;
-                sum + state
+                if !self.shortcut(source, target) {
+                    return sum;
+                }
+                let term = state
                     .coefficients
-                    .scale(source, target, state.stream.clone())
+                    .scale(source, target, state.stream.clone());
+                Some(match sum {
+                    Some(sum) => sum + term,
+                    None => term,
+                })
             })
             .collect();
         state
@@ -364,6 +539,7 @@ impl<const D: usize> StreamConnectivity<D> for Ancre {
 
 #[cfg(test)]
 mod tests {
+    use burn::module::Param;
     use burn::tensor::Tolerance;
 
     use super::*;
@@ -596,6 +772,138 @@ mod tests {
         }
     }
 
+    /// Two families: target `j` mixes only `s_i` with `i ≡ j − 1 (mod 2)`, each column a
+    /// distribution over those sources; residual families have `p_{j-1,j} = 1`; the forward pass
+    /// is the history mixture with these coefficients, and the matrix its probe.
+    #[test]
+    fn families_mix_only_their_own_inputs() {
+        let device = Device::flex();
+        let blocks_count = 6;
+        for residual_families in [vec![], vec![0], vec![1]] {
+            let config = AncreConfig::new()
+                .with_init(random_logits(blocks_count))
+                .with_families(2)
+                .with_residual_families(residual_families.clone());
+            let stack = Stack::new(blocks(blocks_count, &device), &config, &device).unwrap();
+            let p = stack.connectivity.coefficient_values();
+            for j in 1..=blocks_count {
+                let family = (j - 1) % 2;
+                let residual = residual_families.contains(&family);
+                let mut total = 0.0;
+                for (i, row) in p.iter().enumerate() {
+                    let own = i < j && (j - 1 - i) % 2 == 0 && (!residual || i + 1 == j);
+                    if own {
+                        assert!(row[j] > 0.0, "p[{i}][{j}] = {}", row[j]);
+                    } else {
+                        assert_eq!(row[j], 0.0, "p[{i}][{j}] outside the family");
+                    }
+                    total += row[j];
+                }
+                assert!((total - 1.0).abs() < 1e-6, "column {j}: {total}");
+                if residual {
+                    assert_eq!(p[j - 1][j], 1.0);
+                }
+            }
+            let x = input(&device);
+            assert_close(stack.forward(x.clone()), history_loop(&stack, x));
+            let connectivity = &stack.connectivity;
+            let probed = probe_matrix(connectivity, &device).unwrap();
+            assert!(connectivity.matrix().max_abs_diff(&probed) < 1e-5);
+        }
+        // Outgoing normalisation keeps residual families residual too.
+        let outgoing = AncreConfig::module_level(ModuleLevel::FeedForward)
+            .with_normalization(Normalization::Outgoing);
+        let p = ancre(&outgoing, 6).coefficient_values();
+        for j in [1, 3, 5] {
+            assert_eq!(p[j - 1][j], 1.0);
+        }
+    }
+
+    /// Raw: the parameters are the coefficients (no normalisation), starting at `1/j`; fixed
+    /// uniform: `1/j` and no gradient; cascade: only `p_{j-1,j}`, starting as the plain residual.
+    #[test]
+    fn ablations_follow_their_definitions() {
+        let device = Device::flex().autodiff();
+        let count = 4;
+        let raw = AncreConfig::new().with_mixing(Mixing::Raw);
+        let mut model = Stack::new(blocks(count, &device), &raw, &device).unwrap();
+        let p = model.connectivity.coefficient_values();
+        for (i, row) in p.iter().enumerate() {
+            for (j, value) in row.iter().enumerate() {
+                let expected = if i < j { 1.0 / j as f64 } else { 0.0 };
+                assert!((value - expected).abs() < 1e-6, "p[{i}][{j}] = {value}");
+            }
+        }
+        let values: Vec<f64> = (0..25).map(|k| 0.1 * k as f64 - 0.7).collect();
+        model.connectivity.logits = Param::from_tensor(
+            Tensor::<1>::from_data(TensorData::new(values.clone(), [25]), &device).reshape([5, 5]),
+        );
+        let p = model.connectivity.coefficient_values();
+        for (i, row) in p.iter().enumerate() {
+            for (j, value) in row.iter().enumerate() {
+                let expected = if i < j { values[5 * i + j] } else { 0.0 };
+                assert!((value - expected).abs() < 1e-6, "raw p[{i}][{j}] = {value}");
+            }
+        }
+        let x = input(&device);
+        assert_close(model.forward(x.clone()), history_loop(&model, x.clone()));
+        let grads = model.forward(x.clone()).sum().backward();
+        let grad: Vec<f64> = model
+            .connectivity
+            .logits
+            .val()
+            .grad(&grads)
+            .unwrap()
+            .into_data()
+            .iter()
+            .collect();
+        assert!(grad[1] != 0.0, "without a softmax, p_01 trains");
+
+        let fixed = AncreConfig::new()
+            .with_mixing(Mixing::FixedUniform)
+            .with_init(random_logits(count));
+        let model = Stack::new(blocks(count, &device), &fixed, &device).unwrap();
+        let p = model.connectivity.coefficient_values();
+        for j in 1..=count {
+            for row in p.iter().take(j) {
+                assert!((row[j] - 1.0 / j as f64).abs() < 1e-6);
+            }
+        }
+        let grads = model.forward(x.clone()).sum().backward();
+        assert!(model.connectivity.logits.val().grad(&grads).is_none());
+
+        let cascade = AncreConfig::new().with_mixing(Mixing::Cascade);
+        let model = Stack::new(blocks(count, &device), &cascade, &device).unwrap();
+        assert_close(
+            model.forward(x.clone()),
+            residual_loop(&model.blocks, x.clone()),
+        );
+        let p = model.connectivity.coefficient_values();
+        for (i, row) in p.iter().enumerate() {
+            for (j, value) in row.iter().enumerate() {
+                assert_eq!(*value, f64::from(i + 1 == j), "cascade p[{i}][{j}]");
+            }
+        }
+        let grads = model.forward(x).sum().backward();
+        let grad: Vec<f64> = model
+            .connectivity
+            .logits
+            .val()
+            .grad(&grads)
+            .unwrap()
+            .into_data()
+            .iter()
+            .collect();
+        for k in 0..25 {
+            let (i, j) = (k / 5, k % 5);
+            if i + 1 == j {
+                assert!(grad[k] != 0.0, "cascade gate {j} trains");
+            } else {
+                assert_eq!(grad[k], 0.0, "cut shortcut {i}:{j}");
+            }
+        }
+    }
+
     #[test]
     fn invalid_configs_are_errors() {
         let device = Device::flex();
@@ -637,6 +945,14 @@ mod tests {
         assert!(matches!(
             init(AncreConfig::new().with_init(not_finite)),
             Err(Error::NonFinite { .. })
+        ));
+        assert!(matches!(
+            init(AncreConfig::new().with_families(0)),
+            Err(Error::OutOfRange { .. })
+        ));
+        assert!(matches!(
+            init(AncreConfig::new().with_residual_families(vec![1])),
+            Err(Error::OutOfRange { .. })
         ));
     }
 }

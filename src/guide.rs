@@ -41,7 +41,9 @@
 //! | `init: AncreInit::Residual { tolerance }` | starts within `tolerance` of ResNet (`p_{j-1,j} ≥ 1 − tolerance`) | decision: a preset the paper implies |
 //! | `init: AncreInit::Values` | explicit logits | golden tests; `p_01 = 1` always (its logit is not trained) |
 //! | [`Ancre::tsallis_entropy`](crate::Ancre::tsallis_entropy) | §4.1, sparsity regulariser on every column of `p` | a loss term the user adds |
-//! | [`Granularity`](crate::transformer::Granularity) | §4.2: block level (mixture replaces the attention shortcut, feed-forward keeps its residual; default) and module level | the public LLaMA code's "additive" variant (mixture added after the whole layer) is not offered |
+//! | [`Granularity`](crate::transformer::Granularity) | §4.2: block level (mixture replaces the attention shortcut, feed-forward keeps its residual; default) and module level (`Sublayer`) | `Granularity::Layer`: the public LLaMA code's "additive" variant (`s_j = T(s_{j-1}) + Σ p_ij s_i`, the layer keeping its own residuals) |
+//! | `families`, `residual_families`, [`AncreConfig::module_level`](crate::AncreConfig::module_level) | §4.2, Table 1: module level as two families (attention inputs, feed-forward inputs), each with its own softmax; rows MHSA-only, FFN-only, both | `ModuleLevel::Attention` equals block level (tested); `families = 1` at `Sublayer` is a fourth variant: one mixture over all `2L` sublayer inputs |
+//! | `mixing: Mixing::{Raw, FixedUniform, Cascade}` | Tables 4–5 ablations: no normalisation (raw coefficients), fixed uniform `1/j`, learnable cascade only | decisions: raw starts at the softmax of the init logits (`1/j`); the cascade keeps only `p_{j-1,j}`, raw and learnable, starting at 1 (the plain residual) |
 //!
 //! # HyperZZW / SFNE ([`hyperzzw`](crate::hyperzzw))
 //!
@@ -92,4 +94,6 @@
 //! | `Granularity::Sublayer` with HC / mHC | each attention and feed-forward sublayer is one HC layer (HC paper, Megatron-LM) | |
 //! | `Granularity::Block` with HC / mHC / DWA | decision: the whole layer is one block; multi-stream connectivities feed it `M_0` and write its whole update `T(M_0) − M_0` into the streams; DWA averages after each layer | |
 //! | [`GroupedAdamConfig`](crate::training::GroupedAdamConfig) | the reference codes' parameter groups | connectivity parameters: no weight decay, own learning rate |
+//! | `GroupedAdamConfig::language_model` | the papers' LM recipe: AdamW `β2 = 0.95`, warmup + cosine, clipping at 1 | Burn clips each parameter's gradient norm, not the global norm |
+//! | [`ConnectedEncoder::with_depth_ln`](crate::transformer::ConnectedEncoder::with_depth_ln) | H-ACN App. D, Table 7: DepthLN in a wrapped transformer | decision: one strength per layer, shared by its two norms, depth = layer index + 1 |
 //! | [`Stack::compress`](crate::Stack::compress) | H-ACN §3.1 auto-compression | smallest depth within a tolerance of the full model on validation scores |

@@ -28,7 +28,7 @@ pub mod training;
 pub mod transformer;
 
 pub use activation::gelu;
-pub use ancre::{Ancre, AncreConfig, AncreInit, AncreState, Normalization};
+pub use ancre::{Ancre, AncreConfig, AncreInit, AncreState, Mixing, ModuleLevel, Normalization};
 pub use block::Block;
 pub use connectivity::{Connectivity, ConnectivityConfig, StreamConnectivity, probe_matrix};
 pub use denseformer::{DenseFormer, DenseFormerConfig, DenseFormerState};

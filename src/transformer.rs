@@ -11,6 +11,7 @@
 //! |---|---|---|
 //! | [`Granularity::Block`] (one connectivity block per layer) | `a = A(norm_2(s)) ⊕ s`, `s' = a + F(norm_1(a))` | `a = norm_1(A(s) ⊕ s)`, `s' = norm_2(a + F(a))` |
 //! | [`Granularity::Sublayer`] (two blocks per layer) | `m = A(norm_2(s)) ⊕ s`, `s' = F(norm_1(m)) ⊕ m` | `m = norm_1(A(s) ⊕ s)`, `s' = norm_2(F(m) ⊕ m)` |
+//! | [`Granularity::Layer`] (the layer, residuals and all) | `a = s + A(norm_2(s))`, `s' = (a + F(norm_1(a))) ⊕ s` | `a = norm_1(s + A(s))`, `s' = norm_2(a + F(a)) ⊕ s` |
 //!
 //! At block level the connectivity replaces the attention shortcut and the feed-forward keeps
 //! its residual, as in the ANCRe paper; H-ACN then has one gate per layer, and its long output
@@ -64,15 +65,20 @@ pub enum Granularity {
     /// One connectivity block per layer: it replaces the attention shortcut, the feed-forward
     /// keeps its residual (ANCRe's default "block level").
     Block,
-    /// Attention and feed-forward are separate connectivity blocks (ANCRe's "module level").
+    /// Attention and feed-forward are separate connectivity blocks (ANCRe's "module level";
+    /// with [`AncreConfig::module_level`](crate::AncreConfig::module_level) each sublayer
+    /// family has its own softmax, as in the paper).
     Sublayer,
+    /// The whole layer, its own two residuals included, is the branch: `s' = T(s) ⊕ s` (the
+    /// "additive" variant of the public ANCRe code, `s_j = T(s_{j-1}) + Σ_i p_ij s_i`).
+    Layer,
 }
 
 impl Granularity {
     /// Connectivity blocks per encoder layer.
     pub fn blocks_per_layer(self) -> usize {
         match self {
-            Self::Block => 1,
+            Self::Block | Self::Layer => 1,
             Self::Sublayer => 2,
         }
     }
@@ -384,6 +390,16 @@ impl<C: StreamConnectivity<3>> ConnectedEncoder<C> {
                 let state = wiring.step_with_tail(state, 2 * index, branch, norm_1);
                 let branch = feed_forward(layer, wiring.block_input(&state));
                 wiring.step_with_tail(state, 2 * index + 1, branch, norm_2)
+            }
+            (Granularity::Layer, true) => {
+                let mixed = input.clone() + attention(layer, norm_2(input), masks);
+                let branch = mixed.clone() + feed_forward(layer, norm_1(mixed));
+                wiring.step(state, index, branch)
+            }
+            (Granularity::Layer, false) => {
+                let mixed = norm_1(input.clone() + attention(layer, input, masks));
+                let branch = norm_2(mixed.clone() + feed_forward(layer, mixed));
+                wiring.step(state, index, branch)
             }
         }
     }
@@ -750,6 +766,149 @@ mod tests {
             gradient.iter().all(|g| g.is_finite() && *g != 0.0),
             "{gradient:?}"
         );
+    }
+
+    /// Module level, pre-norm, for each of the paper's rows: the wrapper equals
+    /// `m_j = MHSA_j(LN(a_j)) + Σ_i pA_ij a_i`, `a_{j+1} = FFN_j(LN(m_j)) + Σ_i pF_ij m_i`
+    /// written out with separate attention and feed-forward histories, and the learning
+    /// families' coefficients are distributions over their own sublayer inputs.
+    #[test]
+    fn ancre_module_level_has_two_families() {
+        use crate::ModuleLevel;
+        let device = Device::flex();
+        let (x, masks) = (input(&device), masks(&device));
+        let size = 2 * LAYERS + 1;
+        let logits: Vec<Vec<f64>> = (0..size)
+            .map(|i| {
+                (0..size)
+                    .map(|j| ((5 * i + 3 * j) % 7) as f64 * 0.1)
+                    .collect()
+            })
+            .collect();
+        for level in [
+            ModuleLevel::Attention,
+            ModuleLevel::FeedForward,
+            ModuleLevel::Both,
+        ] {
+            let config = AncreConfig::module_level(level)
+                .with_temperature(1.0)
+                .with_init(crate::AncreInit::Values {
+                    logits: logits.clone(),
+                });
+            let model = ConnectedEncoder::new(
+                encoder(true, &device),
+                Granularity::Sublayer,
+                &config,
+                &device,
+            )
+            .unwrap();
+            let p = model.connectivity.coefficient_values();
+            // Block 2j+1 is layer j's attention (input a_j = s_{2j}), block 2j+2 its
+            // feed-forward (input m_j = s_{2j+1}).
+            let (mut attention_inputs, mut feed_forward_inputs) = (vec![x.clone()], vec![]);
+            for (j, layer) in model.layers.iter().enumerate() {
+                let a = attention_inputs[j].clone();
+                let mut m = attention(layer, layer.norm_2.forward(a.clone()), &masks);
+                for (i, source) in attention_inputs.iter().enumerate() {
+                    m = m + source.clone() * p[2 * i][2 * j + 1];
+                }
+                feed_forward_inputs.push(m.clone());
+                let mut next = feed_forward(layer, layer.norm_1.forward(m));
+                for (i, source) in feed_forward_inputs.iter().enumerate() {
+                    next = next + source.clone() * p[2 * i + 1][2 * j + 2];
+                }
+                attention_inputs.push(next);
+            }
+            assert_close(
+                model.forward(x.clone(), &masks),
+                attention_inputs.pop().unwrap(),
+            );
+            for target in 1..size {
+                let family = (target - 1) % 2;
+                let learns = match level {
+                    ModuleLevel::Attention => family == 0,
+                    ModuleLevel::FeedForward => family == 1,
+                    ModuleLevel::Both => true,
+                };
+                let column: Vec<f64> = (0..size).map(|i| p[i][target]).collect();
+                let total: f64 = column.iter().sum();
+                assert!((total - 1.0).abs() < 1e-6, "{level:?} column {target}");
+                let sources = column.iter().filter(|&&value| value > 0.0).count();
+                let expected = if learns { target.div_ceil(2) } else { 1 };
+                assert_eq!(sources, expected, "{level:?} column {target}: {column:?}");
+            }
+        }
+    }
+
+    /// MHSA-only at module level is block level: the same model when the attention family's
+    /// logits are block level's.
+    #[test]
+    fn ancre_mhsa_only_module_level_is_block_level() {
+        use crate::{AncreInit, ModuleLevel};
+        let device = Device::flex();
+        let (x, masks) = (input(&device), masks(&device));
+        let block_logits: Vec<Vec<f64>> = (0..=LAYERS)
+            .map(|i| {
+                (0..=LAYERS)
+                    .map(|j| (i as f64 - 0.3 * j as f64).sin())
+                    .collect()
+            })
+            .collect();
+        let size = 2 * LAYERS + 1;
+        let mut module_logits = vec![vec![0.0; size]; size];
+        for (i, row) in block_logits.iter().enumerate() {
+            for (j, &logit) in row.iter().enumerate().skip(1) {
+                module_logits[2 * i][2 * j - 1] = logit;
+            }
+        }
+        let encoder = encoder(true, &device);
+        let block = ConnectedEncoder::new(
+            encoder.clone(),
+            Granularity::Block,
+            &AncreConfig::new().with_init(AncreInit::Values {
+                logits: block_logits,
+            }),
+            &device,
+        )
+        .unwrap();
+        let module = ConnectedEncoder::new(
+            encoder,
+            Granularity::Sublayer,
+            &AncreConfig::module_level(ModuleLevel::Attention).with_init(AncreInit::Values {
+                logits: module_logits,
+            }),
+            &device,
+        )
+        .unwrap();
+        assert_close(module.forward(x.clone(), &masks), block.forward(x, &masks));
+    }
+
+    /// The additive variant: `s_j = T(s_{j-1}) + Σ_i p_ij s_i` with `T` the plain layer
+    /// (burn-nn's own forward), both norm placements.
+    #[test]
+    fn layer_granularity_adds_the_mixture_to_the_whole_layer() {
+        let device = Device::flex();
+        let x = input(&device);
+        let config = AncreConfig::new().with_temperature(1.0);
+        for norm_first in [true, false] {
+            let encoder = encoder(norm_first, &device);
+            let model =
+                ConnectedEncoder::new(encoder.clone(), Granularity::Layer, &config, &device)
+                    .unwrap();
+            let p = model.connectivity.coefficient_values();
+            let mut states = vec![x.clone()];
+            for (j, layer) in encoder.layers.iter().enumerate() {
+                let mut next = layer.forward(states[j].clone(), None, None);
+                for (i, state) in states.iter().enumerate() {
+                    next = next + state.clone() * p[i][j + 1];
+                }
+                states.push(next);
+            }
+            assert_close(
+                model.forward(x.clone(), &EncoderMasks::default()),
+                states.pop().unwrap(),
+            );
+        }
     }
 
     #[test]

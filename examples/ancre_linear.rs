@@ -16,6 +16,7 @@
 mod common;
 
 use std::path::PathBuf;
+use std::process::ExitCode;
 
 use burn::module::Param;
 use burn::optim::{GradientsParams, SgdConfig};
@@ -26,9 +27,40 @@ use burn_connectivity::{
     AncreConfig, Block, Connectivity, ConnectivityConfig, ConnectivityMatrix, Error, Stack,
     StreamConnectivity,
 };
-use common::Args;
+use clap::Parser;
+use common::DeviceArg;
 
-const USAGE: &str = "usage: ancre_linear [--device NAME] [--dim N] [--steps N] [--lr X] [--init-scale X] [--target X] [--every N] [--seed N] [--out DIR]";
+/// ANCRe's deep-linear-network case study: shortcut topology vs gradient-descent speed.
+#[derive(Parser, Debug)]
+#[command(long_about = None)]
+struct Flags {
+    #[command(flatten)]
+    device: DeviceArg,
+    /// Width d of the linear layers.
+    #[arg(long, default_value_t = 8)]
+    dim: usize,
+    /// Gradient-descent steps per topology.
+    #[arg(long, default_value_t = 3000)]
+    steps: usize,
+    /// Learning rate.
+    #[arg(long, default_value_t = 0.02)]
+    lr: f64,
+    /// Scale of the initial weights (times 1/sqrt(d)).
+    #[arg(long, default_value_t = 0.1)]
+    init_scale: f64,
+    /// Loss fraction (of the initial loss) a run must reach to count as converged.
+    #[arg(long, default_value_t = 1e-3)]
+    target: f64,
+    /// Print the losses every N steps.
+    #[arg(long, default_value_t = 250)]
+    every: usize,
+    /// Seed of the target and the weights.
+    #[arg(long, default_value_t = 3)]
+    seed: u64,
+    /// Where the charts go.
+    #[arg(long, default_value = "target/example-output")]
+    out: PathBuf,
+}
 
 /// One linear layer without bias: the branch `f(s) = s W`.
 #[derive(Module, Debug)]
@@ -267,37 +299,27 @@ fn print_coefficients(p: &[Vec<f64>]) {
     }
 }
 
-fn run() -> Result<(), String> {
-    let args = Args::parse(
-        USAGE,
-        &[
-            "dim",
-            "steps",
-            "lr",
-            "init-scale",
-            "target",
-            "every",
-            "seed",
-            "out",
-        ],
-    )?;
-    let dim: usize = args.get("dim", 8)?;
-    let device = args.device()?.autodiff();
-    let seed: u64 = args.get("seed", 3)?;
+fn run(flags: Flags) -> Result<(), String> {
+    if flags.dim == 0 || flags.steps == 0 || flags.every == 0 {
+        return Err("--dim, --steps and --every must be at least 1".into());
+    }
+    let dim = flags.dim;
+    let device = flags.device.device()?.autodiff();
+    let seed = flags.seed;
     device.seed(seed + 1);
     let target = Tensor::<2>::random([dim, dim], Distribution::Normal(0.0, 1.0), &device);
     let problem = Problem {
         dim,
-        steps: args.get("steps", 3000)?,
-        learning_rate: args.get("lr", 0.02)?,
-        init_scale: args.get("init-scale", 0.1)?,
+        steps: flags.steps,
+        learning_rate: flags.lr,
+        init_scale: flags.init_scale,
         seed,
         target,
         device,
     };
-    let target_fraction: f64 = args.get("target", 1e-3)?;
-    let every: usize = args.get("every", 250)?;
-    let out = PathBuf::from(args.get("out", String::from("target/example-output"))?);
+    let target_fraction = flags.target;
+    let every = flags.every;
+    let out = flags.out;
     std::fs::create_dir_all(&out).map_err(|err| format!("{}: {err}", out.display()))?;
     println!(
         "d = {dim}, X = I (whitened), Y = A ~ N(0, 1), W_j ~ N(0, ({} / sqrt(d))^2), gradient descent lr {}",
@@ -329,9 +351,12 @@ fn run() -> Result<(), String> {
     Ok(())
 }
 
-fn main() {
-    if let Err(message) = run() {
-        eprintln!("error: {message}");
-        std::process::exit(1);
+fn main() -> ExitCode {
+    match run(Flags::parse()) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(message) => {
+            eprintln!("error: {message}");
+            ExitCode::from(2)
+        }
     }
 }

@@ -28,7 +28,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
 
 use burn::prelude::*;
-use common::Args;
+use clap::Parser;
+use common::DeviceArg;
 use workloads::{
     ConvMethod, DEPTHS, GCONV_LENGTHS, Model, OpClass, OpProfile, Variant, gconv_inputs,
     stack_input,
@@ -74,7 +75,36 @@ unsafe impl GlobalAlloc for PeakAllocator {
 #[global_allocator]
 static ALLOCATOR: PeakAllocator = PeakAllocator;
 
-const USAGE: &str = "usage: bench_connectivity [--device NAME] [--runs N] [--warmup N] [--only stack|gconv|profile] [--variants residual,hc,...]\n  defaults: --device flex --runs 5 --warmup 1, every workload but the profile, every variant";
+/// The workloads `--only` selects.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+enum Workload {
+    /// Stacks of pre-LN MLP blocks under every connectivity, forward and train step.
+    Stack,
+    /// The global HyperZZW convolution, FFT vs direct.
+    Gconv,
+    /// The residual train step next to each op class of one block.
+    Profile,
+}
+
+/// Times the benchmark workloads; one JSON object per line, then the ratios to the residual.
+#[derive(Parser, Debug)]
+#[command(long_about = None)]
+struct Flags {
+    #[command(flatten)]
+    device: DeviceArg,
+    /// Timed runs per measurement (the median is reported).
+    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u64).range(1..))]
+    runs: u64,
+    /// Untimed runs before them.
+    #[arg(long, default_value_t = 1)]
+    warmup: usize,
+    /// One workload only (default: every workload but the profile).
+    #[arg(long, value_enum)]
+    only: Option<Workload>,
+    /// Stack variants, comma separated (default: all; the residual is always timed).
+    #[arg(long, default_value = "")]
+    variants: String,
+}
 
 /// One timed run of `work` (followed by a device sync): milliseconds and peak heap growth.
 fn run_once<T>(device: &Device, work: &dyn Fn() -> T) -> (f64, usize) {
@@ -184,23 +214,18 @@ fn selected_variants(list: &str) -> Result<Vec<Variant>, String> {
 }
 
 fn main() -> Result<(), String> {
-    let args = Args::parse(USAGE, &["runs", "warmup", "only", "variants"])?;
-    let device = args.device()?;
-    let runs = args.get("runs", 5usize)?.max(1);
-    let warmup = args.get("warmup", 1usize)?;
-    let only = args.get("only", String::new())?;
-    if !["", "stack", "gconv", "profile"].contains(&only.as_str()) {
-        return Err(format!(
-            "--only {only}: expected stack, gconv or profile\n{USAGE}"
-        ));
-    }
-    let variants = selected_variants(&args.get("variants", String::new())?)?;
+    let flags = Flags::parse();
+    let device = flags.device.device()?;
+    let runs = flags.runs as usize;
+    let warmup = flags.warmup;
+    let only = flags.only;
+    let variants = selected_variants(&flags.variants)?;
     let mut report = Report {
-        device: args.get("device", String::from("flex"))?,
+        device: flags.device.device.clone(),
         results: Vec::new(),
     };
 
-    if only.is_empty() || only == "stack" {
+    if matches!(only, None | Some(Workload::Stack)) {
         let training = device.clone().autodiff();
         for depth in DEPTHS {
             for (mode, device) in [("forward", &device), ("train_step", &training)] {
@@ -235,10 +260,10 @@ fn main() -> Result<(), String> {
         }
         report.print_ratios(Variant::Residual.name());
     }
-    if only == "profile" {
+    if only == Some(Workload::Profile) {
         profile(&device.clone().autodiff(), runs, warmup, &mut report);
     }
-    if only.is_empty() || only == "gconv" {
+    if matches!(only, None | Some(Workload::Gconv)) {
         for length in GCONV_LENGTHS {
             let (z, kernel) = gconv_inputs(length, &device);
             let works: Vec<Box<dyn Fn() -> Tensor<3>>> = ConvMethod::ALL

@@ -19,15 +19,42 @@ use std::path::{Path, PathBuf};
 
 use burn::nn::loss::CrossEntropyLossConfig;
 use burn::optim::{AdamConfig, GradientsParams};
+use std::process::ExitCode;
+
 use burn::prelude::*;
-use burn_connectivity::HacnConfig;
 use burn_connectivity::compression::{DepthChoice, Objective};
 use burn_connectivity::health::{FamilyHealth, HealthRecorder, read_health_log};
 use burn_connectivity::plot::{Heatmap, LineChart, Series};
-use common::{Args, Classifier, Digits, accuracy, shuffled};
+use burn_connectivity::{Hacn, HacnConfig};
+use clap::Parser;
+use common::{Classifier, DeviceArg, Digits, accuracy, progress, shuffled};
 
-const USAGE: &str = "usage: compress_digits [--device NAME] [--tolerance X] [--epochs N] \
-                     [--blocks N] [--width N] [--lr X] [--seed N]";
+/// Auto-compression on the bundled digits: ResNet vs H-ACN, truncated to the smallest depth
+/// within a tolerance of the full model.
+#[derive(Parser, Debug)]
+#[command(long_about = None)]
+struct Flags {
+    #[command(flatten)]
+    device: DeviceArg,
+    /// Largest validation-accuracy loss the truncated model may have.
+    #[arg(long, default_value_t = 0.01)]
+    tolerance: f64,
+    /// Training epochs per model.
+    #[arg(long, default_value_t = 30)]
+    epochs: usize,
+    /// MLP blocks.
+    #[arg(long, default_value_t = 16)]
+    blocks: usize,
+    /// Block width.
+    #[arg(long, default_value_t = 32)]
+    width: usize,
+    /// Adam's learning rate.
+    #[arg(long, default_value_t = 2e-3)]
+    lr: f64,
+    /// Seed of the weights, the splits and the data order.
+    #[arg(long, default_value_t = 7)]
+    seed: u64,
+}
 
 struct Settings {
     epochs: usize,
@@ -63,10 +90,16 @@ fn train(
     settings: &Settings,
     device: &Device,
     output: &Path,
-) -> Result<(Outcome, Classifier), String> {
+) -> Result<(Outcome, Classifier<Hacn>), String> {
     let error = |err: burn_connectivity::Error| err.to_string();
     device.seed(settings.seed);
-    let mut model = Classifier::new(config, settings.blocks, settings.width, device)?;
+    let mut model = Classifier::new(
+        config,
+        settings.blocks,
+        settings.width,
+        Digits::CLASSES,
+        device,
+    )?;
     let mut recorder = match config.trainable {
         true => Some(
             HealthRecorder::create(
@@ -81,6 +114,7 @@ fn train(
     let mut optimizer = AdamConfig::new().init();
     let loss_fn = CrossEntropyLossConfig::new().init(device);
     let mut step = 0;
+    let bar = progress(settings.epochs as u64, name);
     for epoch in 1..=settings.epochs {
         let order = shuffled(splits.train.len(), settings.seed + epoch as u64);
         for indices in order.chunks(64) {
@@ -95,7 +129,9 @@ fn train(
             model = optimizer.step(settings.learning_rate, model, grads);
             step += 1;
         }
+        bar.inc(1);
     }
+    bar.finish_and_clear();
 
     let model = model.valid();
     let inference = device.clone().without_autodiff();
@@ -119,9 +155,15 @@ fn train(
     compressed
         .save_file(&saved)
         .map_err(|err| format!("saving {}: {err}", saved.display()))?;
-    let reloaded = Classifier::new(config, choice.depth, settings.width, &inference)?
-        .try_load_file(&saved)
-        .map_err(|err| format!("loading {}: {err}", saved.display()))?;
+    let reloaded = Classifier::new(
+        config,
+        choice.depth,
+        settings.width,
+        Digits::CLASSES,
+        &inference,
+    )?
+    .try_load_file(&saved)
+    .map_err(|err| format!("loading {}: {err}", saved.display()))?;
     let (test_pixels, test_labels) = all_of(&splits.test, &inference);
     let full_test = accuracy(model.forward(test_pixels.clone()), test_labels.clone());
     let compressed_test = accuracy(reloaded.forward(test_pixels), test_labels);
@@ -135,20 +177,41 @@ fn train(
     Ok((outcome, model))
 }
 
-fn main() -> Result<(), String> {
-    let args = Args::parse(
-        USAGE,
-        &["tolerance", "epochs", "blocks", "width", "lr", "seed"],
-    )?;
+fn main() -> ExitCode {
+    match run(Flags::parse()) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(message) => {
+            eprintln!("error: {message}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+fn run(flags: Flags) -> Result<(), String> {
+    for (flag, value) in [
+        ("--epochs", flags.epochs),
+        ("--blocks", flags.blocks),
+        ("--width", flags.width),
+    ] {
+        if value == 0 {
+            return Err(format!("{flag} must be at least 1"));
+        }
+    }
+    if !(flags.lr.is_finite() && flags.lr > 0.0) {
+        return Err(format!(
+            "--lr must be a finite number > 0, got {}",
+            flags.lr
+        ));
+    }
     let settings = Settings {
-        epochs: args.get("epochs", 30)?,
-        blocks: args.get("blocks", 16)?,
-        width: args.get("width", 32)?,
-        learning_rate: args.get("lr", 2e-3)?,
-        seed: args.get("seed", 7)?,
-        tolerance: args.get("tolerance", 0.01)?,
+        epochs: flags.epochs,
+        blocks: flags.blocks,
+        width: flags.width,
+        learning_rate: flags.lr,
+        seed: flags.seed,
+        tolerance: flags.tolerance,
     };
-    let device = args.device()?.autodiff();
+    let device = flags.device.device()?.autodiff();
     let (rest, test) = Digits::load()?.split(0.2, settings.seed);
     let (train_set, valid) = rest.split(0.2, settings.seed + 1);
     let splits = Splits {

@@ -39,11 +39,38 @@ use burn::train::{
 use burn_connectivity::training::{GroupedAdamConfig, connectivity_group};
 use burn_connectivity::transformer::{ConnectedEncoder, EncoderMasks, Granularity};
 use burn_connectivity::{Mhc, MhcConfig};
-use common::{Args, Digits, accuracy};
+use clap::Parser;
+use common::{DeviceArg, Digits, accuracy};
 
-const USAGE: &str = "usage: ddp_wrap [--device NAME] [--strategy single|ddp] [--devices N] \
-                     [--epochs N] [--seed N]\n  defaults: --device flex --strategy single \
-                     --devices 1 --epochs 3 --seed 7";
+/// How training is spread over devices.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+enum Strategy {
+    /// One device.
+    Single,
+    /// burn-train's DDP over `--devices` CUDA devices (gradients all-reduced over NCCL).
+    Ddp,
+}
+
+/// An mHC-wrapped burn-nn encoder on the digits, trained with burn-train's Learner on one
+/// device or with DDP.
+#[derive(Parser, Debug)]
+#[command(long_about = None)]
+struct Flags {
+    #[command(flatten)]
+    device: DeviceArg,
+    /// One device, or DDP (CUDA only).
+    #[arg(long, value_enum, default_value = "single")]
+    strategy: Strategy,
+    /// Devices to train on.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..))]
+    devices: u64,
+    /// Training epochs.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u64).range(1..))]
+    epochs: u64,
+    /// Seed of the weights, the split and the data order.
+    #[arg(long, default_value_t = 7)]
+    seed: u64,
+}
 
 const ROWS: usize = 8;
 const WIDTH: usize = 32;
@@ -219,39 +246,32 @@ impl MetricsRenderer for EpochLines {
 }
 
 /// Where training runs, from the flags.
-fn strategy(args: &Args) -> Result<ExecutionStrategy, String> {
-    let name = args.get("device", String::from("flex"))?;
-    let count: usize = args.get("devices", 1)?;
+fn strategy(flags: &Flags) -> Result<ExecutionStrategy, String> {
+    let name = flags.device.device.clone();
+    let count = flags.devices as usize;
     let devices = burn_connectivity::backend::devices(&name, count)
         .map_err(|err| format!("--device {name} --devices {count}: {err}"))?;
     let devices: Vec<Device> = devices.into_iter().map(Device::autodiff).collect();
-    match args.get("strategy", String::from("single"))?.as_str() {
-        "single" if devices.len() == 1 => Ok(ExecutionStrategy::single(devices[0].clone())),
-        "single" => Err("--strategy single takes --devices 1".into()),
-        "ddp" if name == "cuda" => Ok(ExecutionStrategy::ddp(
+    match flags.strategy {
+        Strategy::Single if devices.len() == 1 => Ok(ExecutionStrategy::single(devices[0].clone())),
+        Strategy::Single => Err("--strategy single takes --devices 1".into()),
+        Strategy::Ddp if name == "cuda" => Ok(ExecutionStrategy::ddp(
             devices,
             DistributedConfig {
                 all_reduce_op: ReduceOperation::Mean,
             },
         )),
-        "ddp" => Err(format!(
+        Strategy::Ddp => Err(format!(
             "--strategy ddp needs --device cuda (got {name}): Burn 0.22.1 all-reduces gradients \
              only over NCCL"
-        )),
-        other => Err(format!(
-            "--strategy {other}: expected single or ddp\n{USAGE}"
         )),
     }
 }
 
-fn run() -> Result<(), String> {
-    let args = Args::parse(USAGE, &["strategy", "devices", "epochs", "seed"])?;
-    let epochs: usize = args.get("epochs", 3)?;
-    let seed: u64 = args.get("seed", 7)?;
-    if epochs == 0 {
-        return Err("--epochs must be at least 1".into());
-    }
-    let strategy = strategy(&args)?;
+fn run(flags: Flags) -> Result<(), String> {
+    let epochs = flags.epochs as usize;
+    let seed = flags.seed;
+    let strategy = strategy(&flags)?;
     let device = strategy.main_device().clone();
     device.seed(seed);
 
@@ -303,8 +323,8 @@ fn run() -> Result<(), String> {
 }
 
 fn main() {
-    if let Err(message) = run() {
-        eprintln!("{message}");
+    if let Err(message) = run(Flags::parse()) {
+        eprintln!("error: {message}");
         std::process::exit(2);
     }
 }

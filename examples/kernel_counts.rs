@@ -12,7 +12,6 @@
 //! loop per block, and the kernels of one connectivity step on its own, for the crate's
 //! formulation and for the alternatives it was compared with.
 
-mod common;
 #[path = "../benches/workloads/mod.rs"]
 mod workloads;
 
@@ -24,11 +23,21 @@ use burn::tensor::Distribution;
 use burn_connectivity::{
     AncreConfig, ConnectivityConfig, HacnConfig, MhcConfig, StreamConnectivity, sinkhorn_knopp,
 };
-use common::Args;
+use clap::Parser;
 use cubecl_runtime::logging::{LaunchObservation, LaunchObserver};
 use workloads::{LENGTH, Model, Variant, WIDTH, stack_input};
 
-const USAGE: &str = "usage: kernel_counts [--device wgpu|vulkan|metal|cuda] [--depth N]";
+/// Counts the kernels a forward pass launches on a CubeCL backend, per connectivity.
+#[derive(Parser, Debug)]
+#[command(long_about = None)]
+struct Flags {
+    /// CubeCL backend: wgpu, vulkan, metal or cuda (those compiled in).
+    #[arg(long, default_value = "wgpu")]
+    device: String,
+    /// Blocks in the stack.
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u64).range(1..))]
+    depth: u64,
+}
 
 #[derive(Default)]
 struct Counter {
@@ -69,10 +78,10 @@ fn stream(device: &Device) -> Tensor<3> {
 }
 
 fn main() -> Result<(), String> {
-    let args = Args::parse(USAGE, &["depth"])?;
-    let name = args.get("device", String::from("wgpu"))?;
+    let flags = Flags::parse();
+    let name = flags.device;
     let device = burn_connectivity::backend::device(&name).map_err(|err| err.to_string())?;
-    let depth = args.get("depth", 4usize)?;
+    let depth = flags.depth as usize;
     let tracked = device.clone().autodiff();
 
     for (mode, device) in [("inference", &device), ("under autodiff", &tracked)] {

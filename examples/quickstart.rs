@@ -5,27 +5,45 @@
 //! ```
 //!
 //! The same MLP blocks, head, data order and budget are trained three ways; only the
-//! connectivity differs. For each model it prints the held-out accuracy, the layer-wise accuracy
+//! connectivity differs. The recipe: AdamW with one epoch of warmup and cosine decay, the
+//! gates in their own parameter group (no weight decay, their own learning rate). For each model it prints the held-out accuracy, the layer-wise accuracy
 //! curve (the readout `y_k` after `k` blocks through the shared head: how much of the model a
 //! truncated copy keeps), the learned gates and Γ.
 
 mod common;
 
-use burn::nn::loss::CrossEntropyLossConfig;
-use burn::optim::{AdamConfig, GradientsParams};
+use std::process::ExitCode;
+
 use burn::prelude::*;
-use burn_connectivity::HacnConfig;
-use common::{Args, Classifier, Digits, accuracy, shuffled};
+use burn_connectivity::{Hacn, HacnConfig};
+use clap::Parser;
+use common::{
+    Classifier, DeviceArg, Digits, DigitsTraining, accuracy, fit_digits, progress, recipe,
+};
 
-const USAGE: &str =
-    "usage: quickstart [--device NAME] [--epochs N] [--blocks N] [--width N] [--lr X] [--seed N]";
-
-struct Settings {
+/// ResNet vs ACN vs H-ACN on the bundled handwritten digits.
+#[derive(Parser, Debug)]
+#[command(long_about = None)]
+struct Flags {
+    #[command(flatten)]
+    device: DeviceArg,
+    /// Training epochs per model.
+    #[arg(long, default_value_t = 30)]
     epochs: usize,
+    /// MLP blocks.
+    #[arg(long, default_value_t = 16)]
     blocks: usize,
+    /// Block width.
+    #[arg(long, default_value_t = 32)]
     width: usize,
-    learning_rate: f64,
-    batch_size: usize,
+    /// Peak learning rate of the weights (AdamW, warmup for one epoch, cosine decay).
+    #[arg(long, default_value_t = 2e-3)]
+    lr: f64,
+    /// Peak learning rate of the gates (no weight decay).
+    #[arg(long, default_value_t = 1e-2)]
+    connectivity_lr: f64,
+    /// Seed of the weights, the split and the data order.
+    #[arg(long, default_value_t = 7)]
     seed: u64,
 }
 
@@ -42,44 +60,52 @@ fn train(
     name: &'static str,
     connectivity: &HacnConfig,
     (train_set, test_set): (&Digits, &Digits),
-    settings: &Settings,
+    flags: &Flags,
     device: &Device,
 ) -> Result<Report, String> {
     let started = std::time::Instant::now();
-    device.seed(settings.seed);
-    let mut model = Classifier::new(connectivity, settings.blocks, settings.width, device)?;
-    let mut optimizer = AdamConfig::new().init();
-    let loss_fn = CrossEntropyLossConfig::new().init(device);
-    let all_test: Vec<usize> = (0..test_set.len()).collect();
-    let (test_pixels, test_labels) = test_set.batch(&all_test, &device.clone().without_autodiff());
-
-    for epoch in 1..=settings.epochs {
-        let order = shuffled(train_set.len(), settings.seed + epoch as u64);
-        let mut loss_sum = 0.0;
-        let batches = order.chunks(settings.batch_size);
-        let batch_count = batches.len();
-        for indices in batches {
-            let (pixels, labels) = train_set.batch(indices, device);
-            let loss = loss_fn.forward(model.forward(pixels), labels);
-            loss_sum += loss.clone().into_scalar::<f64>();
-            let grads = GradientsParams::from_grads(loss.backward(), &model);
-            model = optimizer.step(settings.learning_rate, model, grads);
-        }
-        if epoch == 1 || epoch % 5 == 0 || epoch == settings.epochs {
+    device.seed(flags.seed);
+    let model: Classifier<Hacn> = Classifier::new(
+        connectivity,
+        flags.blocks,
+        flags.width,
+        Digits::CLASSES,
+        device,
+    )?;
+    let batch_size = 64;
+    let steps_per_epoch = train_set.len().div_ceil(batch_size);
+    let training = DigitsTraining {
+        epochs: flags.epochs,
+        batch_size,
+        seed: flags.seed,
+        optimizer: recipe(
+            flags.lr,
+            flags.connectivity_lr,
+            0.999,
+            0.0,
+            steps_per_epoch,
+            flags.epochs * steps_per_epoch,
+        )?,
+    };
+    let (test_pixels, test_labels) = test_set.all(&device.clone().without_autodiff());
+    let bar = progress(flags.epochs as u64, name);
+    let model = fit_digits(model, train_set, &training, &bar, |epoch, loss, model| {
+        if epoch == 1 || epoch % 5 == 0 || epoch == flags.epochs {
             let test_accuracy = accuracy(
                 model.valid().forward(test_pixels.clone()),
                 test_labels.clone(),
             );
-            println!(
-                "  [{name:>6}] epoch {epoch:>3}/{}  train loss {:.4}  test acc {:.3}  Γ {:.3}  ({:.1}s)",
-                settings.epochs,
-                loss_sum / batch_count as f64,
-                test_accuracy,
-                model.stack.connectivity.total_strength(),
-                started.elapsed().as_secs_f64()
-            );
+            bar.suspend(|| {
+                println!(
+                    "  [{name:>6}] epoch {epoch:>3}/{}  train loss {loss:.4}  test acc {test_accuracy:.3}  Γ {:.3}  ({:.1}s)",
+                    flags.epochs,
+                    model.stack.connectivity.total_strength(),
+                    started.elapsed().as_secs_f64()
+                )
+            });
         }
-    }
+    })?;
+    bar.finish_and_clear();
 
     let evaluated = model.valid();
     let layerwise = evaluated
@@ -97,26 +123,28 @@ fn train(
     })
 }
 
-fn run() -> Result<(), String> {
-    let args = Args::parse(USAGE, &["epochs", "blocks", "width", "lr", "seed"])?;
-    let settings = Settings {
-        epochs: args.get("epochs", 30)?,
-        blocks: args.get("blocks", 16)?,
-        width: args.get("width", 32)?,
-        learning_rate: args.get("lr", 2e-3)?,
-        batch_size: 64,
-        seed: args.get("seed", 7)?,
-    };
-    let device = args.device()?.autodiff();
-    let (train_set, test_set) = Digits::load()?.split(0.2, settings.seed);
+fn run(flags: Flags) -> Result<(), String> {
+    for (flag, value) in [
+        ("--epochs", flags.epochs),
+        ("--blocks", flags.blocks),
+        ("--width", flags.width),
+    ] {
+        if value == 0 {
+            return Err(format!("{flag} must be at least 1"));
+        }
+    }
+    let device = flags.device.device()?.autodiff();
+    let (train_set, test_set) = Digits::load()?.split(0.2, flags.seed);
     println!(
-        "digits: {} train / {} held-out test images; {} MLP blocks of width {}, {} epochs, Adam lr {}, on {:?}",
+        "digits: {} train / {} held-out test images; {} MLP blocks of width {}, {} epochs, AdamW lr {} \
+         (warmup + cosine), gates lr {}, on {:?}",
         train_set.len(),
         test_set.len(),
-        settings.blocks,
-        settings.width,
-        settings.epochs,
-        settings.learning_rate,
+        flags.blocks,
+        flags.width,
+        flags.epochs,
+        flags.lr,
+        flags.connectivity_lr,
         device
     );
 
@@ -127,20 +155,17 @@ fn run() -> Result<(), String> {
     ];
     let mut reports = Vec::new();
     for (name, config) in &variants {
-        println!("training {name}");
         reports.push(train(
             name,
             config,
             (&train_set, &test_set),
-            &settings,
+            &flags,
             &device,
         )?);
     }
 
     println!("\nheld-out accuracy and layer-wise accuracy (readout y_k through the shared head)");
-    let header: String = (0..=settings.blocks)
-        .map(|k| format!(" k={k:<3}"))
-        .collect();
+    let header: String = (0..=flags.blocks).map(|k| format!(" k={k:<3}")).collect();
     println!("{:>8} {:>7} {:>6} |{header}", "model", "acc", "Γ");
     for report in &reports {
         let curve: String = report
@@ -170,9 +195,12 @@ fn run() -> Result<(), String> {
     Ok(())
 }
 
-fn main() {
-    if let Err(message) = run() {
-        eprintln!("error: {message}");
-        std::process::exit(1);
+fn main() -> ExitCode {
+    match run(Flags::parse()) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(message) => {
+            eprintln!("error: {message}");
+            ExitCode::from(2)
+        }
     }
 }

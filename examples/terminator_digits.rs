@@ -7,81 +7,36 @@
 //! ```
 //!
 //! Prints progress, test accuracy, parameter counts and time per epoch for each model.
+//! `--help` lists every flag.
 
 mod common;
 
+use std::process::ExitCode;
 use std::time::Instant;
 
-use burn::nn::loss::CrossEntropyLossConfig;
-use burn::nn::{LayerNorm, LayerNormConfig, Linear, LinearConfig};
-use burn::optim::{AdamConfig, GradientsParams};
 use burn::prelude::*;
-use burn_connectivity::hyperzzw::{Geometry, SfneBlockConfig, Terminator, TerminatorConfig};
-use burn_connectivity::{Hacn, HacnConfig, MlpBlock, MlpBlockConfig, Stack};
-use common::{Args, Digits, accuracy, shuffled};
+use burn_connectivity::hyperzzw::Geometry;
+use clap::Parser;
+use common::terminator::{PixelClassifier, ResidualMlp, TerminatorClassifier, train_pixels};
+use common::{DeviceArg, Digits, progress};
 
-const USAGE: &str =
-    "usage: terminator_digits [--device NAME] [--epochs N] [--lr X] [--omega0 X] [--seed N]";
-
-/// What a model returns for a batch of pixels `[B, 64]`: logits and an extra loss term.
-trait Classifier: Module {
-    fn logits_and_extra_loss(&self, pixels: Tensor<2>) -> (Tensor<2>, Option<Tensor<1>>);
-}
-
-/// The Terminator on one view of the pixels.
-#[derive(Module, Debug)]
-struct TerminatorClassifier {
-    model: Terminator,
-    #[module(skip)]
-    geometry: Geometry,
-}
-
-impl Classifier for TerminatorClassifier {
-    fn logits_and_extra_loss(&self, pixels: Tensor<2>) -> (Tensor<2>, Option<Tensor<1>>) {
-        let batch = pixels.dims()[0];
-        // A sequence of 64 steps and a row-major 8x8 map share the [B, 1, 64] layout.
-        let out = self
-            .model
-            .forward(pixels.reshape([batch, 1, 64]))
-            .expect("input matches the configured geometry");
-        (out.logits, Some(out.slow_loss))
-    }
-}
-
-/// Plain residual baseline: pixels → linear → residual MLP blocks → LayerNorm → head.
-#[derive(Module, Debug)]
-struct ResidualClassifier {
-    embed: Linear,
-    stack: Stack<MlpBlock, Hacn>,
-    norm: LayerNorm,
-    head: Linear,
-}
-
-impl ResidualClassifier {
-    fn new(width: usize, blocks: usize, device: &Device) -> Result<Self, String> {
-        let error = |err: burn_connectivity::Error| err.to_string();
-        let blocks = MlpBlockConfig::new(width, 2 * width)
-            .init_stack(blocks, device)
-            .map_err(error)?;
-        Ok(Self {
-            embed: LinearConfig::new(64, width).init(device),
-            stack: Stack::new(blocks, &HacnConfig::resnet(), device).map_err(error)?,
-            norm: LayerNormConfig::new(width).init(device),
-            head: LinearConfig::new(width, Digits::CLASSES).init(device),
-        })
-    }
-}
-
-impl Classifier for ResidualClassifier {
-    fn logits_and_extra_loss(&self, pixels: Tensor<2>) -> (Tensor<2>, Option<Tensor<1>>) {
-        let features = self.stack.forward(self.embed.forward(pixels));
-        (self.head.forward(self.norm.forward(features)), None)
-    }
-}
-
-struct Settings {
+/// A small Terminator on the digits as sequences and maps, against a residual MLP.
+#[derive(Parser, Debug)]
+#[command(long_about = None)]
+struct Flags {
+    #[command(flatten)]
+    device: DeviceArg,
+    /// Training epochs per model.
+    #[arg(long, default_value_t = 30)]
     epochs: usize,
-    learning_rate: f64,
+    /// Adam's learning rate.
+    #[arg(long, default_value_t = 1e-2)]
+    lr: f64,
+    /// Frequency scale ω0 of the slow nets.
+    #[arg(long, default_value_t = 30.0)]
+    omega0: f64,
+    /// Seed of the weights, the split and the data order.
+    #[arg(long, default_value_t = 7)]
     seed: u64,
 }
 
@@ -92,125 +47,89 @@ struct Report {
     seconds_per_epoch: f64,
 }
 
-fn train<M: Classifier>(
+fn train<M: PixelClassifier>(
     name: &str,
-    mut model: M,
+    model: M,
     data: (&Digits, &Digits),
-    settings: &Settings,
+    flags: &Flags,
     device: &Device,
 ) -> Report {
-    let (train_set, test_set) = data;
     let parameters = model.num_params();
-    println!("training {name} ({parameters} parameters)");
-    let mut optimizer = AdamConfig::new().init();
-    let loss_fn = CrossEntropyLossConfig::new().init(device);
-    let all_test: Vec<usize> = (0..test_set.len()).collect();
-    let (test_pixels, test_labels) = test_set.batch(&all_test, &device.clone().without_autodiff());
+    let bar = progress(flags.epochs as u64, name);
     let started = Instant::now();
-    let mut test_accuracy = 0.0;
-    for epoch in 1..=settings.epochs {
-        let order = shuffled(train_set.len(), settings.seed + epoch as u64);
-        let (mut loss_sum, mut batches) = (0.0, 0);
-        for indices in order.chunks(64) {
-            let (pixels, labels) = train_set.batch(indices, device);
-            let (logits, extra) = model.logits_and_extra_loss(pixels);
-            let loss = loss_fn.forward(logits, labels);
-            let loss = match extra {
-                Some(extra) => loss + extra,
-                None => loss,
-            };
-            loss_sum += loss.clone().into_scalar::<f64>();
-            batches += 1;
-            let grads = GradientsParams::from_grads(loss.backward(), &model);
-            model = optimizer.step(settings.learning_rate, model, grads);
-        }
-        let (logits, _) = model.valid().logits_and_extra_loss(test_pixels.clone());
-        test_accuracy = accuracy(logits, test_labels.clone());
-        println!(
-            "  [{name}] epoch {epoch:>2}/{}  loss {:.4}  test acc {test_accuracy:.3}  ({:.1}s)",
-            settings.epochs,
-            loss_sum / batches as f64,
-            started.elapsed().as_secs_f64()
-        );
-    }
+    let accuracy = train_pixels(
+        model,
+        data,
+        (flags.epochs, flags.lr, flags.seed),
+        device,
+        &bar,
+        |epoch, loss, accuracy| {
+            bar.suspend(|| {
+                println!(
+                    "  [{name}] epoch {epoch:>2}/{}  loss {loss:.4}  test acc {accuracy:.3}  ({:.1}s)",
+                    flags.epochs,
+                    started.elapsed().as_secs_f64()
+                )
+            })
+        },
+    );
+    bar.finish_with_message(format!("test acc {accuracy:.3}"));
     Report {
         name: name.to_string(),
         parameters,
-        accuracy: test_accuracy,
-        seconds_per_epoch: started.elapsed().as_secs_f64() / settings.epochs as f64,
+        accuracy,
+        seconds_per_epoch: started.elapsed().as_secs_f64() / flags.epochs as f64,
     }
 }
 
-fn terminator(
-    geometry: Geometry,
-    omega_0: f64,
-    device: &Device,
-) -> Result<TerminatorClassifier, String> {
-    let block = SfneBlockConfig::new(1, 1, geometry)
-        .with_groups(4)
-        .with_global_hidden(16)
-        .with_local_hidden(16)
-        .with_channel_hidden(16)
-        .with_local_kernel_sizes(vec![3, 5])
-        .with_omega_0(omega_0)
-        .with_dropout(0.05);
-    let model = TerminatorConfig::new(Digits::CLASSES, block)
-        .with_expansions(vec![8, 2])
-        .init(device)
-        .map_err(|err| err.to_string())?;
-    Ok(TerminatorClassifier { model, geometry })
-}
-
-fn run() -> Result<(), String> {
-    let args = Args::parse(USAGE, &["epochs", "lr", "omega0", "seed"])?;
-    let settings = Settings {
-        epochs: args.get("epochs", 30)?,
-        learning_rate: args.get("lr", 1e-2)?,
-        seed: args.get("seed", 7)?,
-    };
-    let omega_0: f64 = args.get("omega0", 30.0)?;
-    let device = args.device()?.autodiff();
-    let (train_set, test_set) = Digits::load()?.split(0.2, settings.seed);
+fn run(flags: Flags) -> Result<(), String> {
+    if flags.epochs == 0 {
+        return Err("--epochs must be at least 1".into());
+    }
+    if !(flags.lr.is_finite() && flags.lr > 0.0) {
+        return Err(format!(
+            "--lr must be a finite number > 0, got {}",
+            flags.lr
+        ));
+    }
+    if !(flags.omega0.is_finite() && flags.omega0 > 0.0) {
+        return Err(format!("--omega0 must be > 0, got {}", flags.omega0));
+    }
+    let device = flags.device.device()?.autodiff();
+    let (train_set, test_set) = Digits::load()?.split(0.2, flags.seed);
     println!(
-        "digits: {} train / {} held-out test images, {} epochs, Adam lr {}, slow nets with ω0 = {omega_0}",
+        "digits: {} train / {} held-out test images, {} epochs, Adam lr {}, slow nets with ω0 = {}",
         train_set.len(),
         test_set.len(),
-        settings.epochs,
-        settings.learning_rate
+        flags.epochs,
+        flags.lr,
+        flags.omega0
     );
     let data = (&train_set, &test_set);
 
     let mut reports = Vec::new();
-    device.seed(settings.seed);
-    let sequence = terminator(Geometry::Sequence { length: 64 }, omega_0, &device)?;
+    device.seed(flags.seed);
+    let sequence =
+        TerminatorClassifier::new(Geometry::Sequence { length: 64 }, flags.omega0, &device)?;
     let budget = sequence.num_params();
-    reports.push(train("terminator-1d", sequence, data, &settings, &device));
-    device.seed(settings.seed);
-    let map = terminator(
+    reports.push(train("terminator-1d", sequence, data, &flags, &device));
+    device.seed(flags.seed);
+    let map = TerminatorClassifier::new(
         Geometry::Map {
             rows: 8,
             columns: 8,
         },
-        omega_0,
+        flags.omega0,
         &device,
     )?;
-    reports.push(train("terminator-2d", map, data, &settings, &device));
+    reports.push(train("terminator-2d", map, data, &flags, &device));
 
     // The widest 4-block residual MLP within the Terminator's parameter budget.
-    let blocks = 4;
-    let mut width = 8;
-    while ResidualClassifier::new(width + 8, blocks, &device)?.num_params() <= budget {
-        width += 8;
-    }
-    device.seed(settings.seed);
-    let baseline = ResidualClassifier::new(width, blocks, &device)?;
-    reports.push(train(
-        &format!("residual-mlp-{blocks}x{width}"),
-        baseline,
-        data,
-        &settings,
-        &device,
-    ));
+    let width = ResidualMlp::width_within(budget, 4, &device)?;
+    device.seed(flags.seed);
+    let baseline = ResidualMlp::new(width, 4, &device)?;
+    let name = format!("residual-mlp-4x{width}");
+    reports.push(train(&name, baseline, data, &flags, &device));
 
     println!(
         "\n{:<22} {:>10} {:>9} {:>12}",
@@ -225,9 +144,12 @@ fn run() -> Result<(), String> {
     Ok(())
 }
 
-fn main() {
-    if let Err(message) = run() {
-        eprintln!("error: {message}");
-        std::process::exit(1);
+fn main() -> ExitCode {
+    match run(Flags::parse()) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(message) => {
+            eprintln!("error: {message}");
+            ExitCode::from(2)
+        }
     }
 }

@@ -830,7 +830,7 @@ mod tests {
                     ModuleLevel::FeedForward => family == 1,
                     ModuleLevel::Both => true,
                 };
-                let column: Vec<f64> = (0..size).map(|i| p[i][target]).collect();
+                let column: Vec<f64> = p.iter().map(|row| row[target]).collect();
                 let total: f64 = column.iter().sum();
                 assert!((total - 1.0).abs() < 1e-6, "{level:?} column {target}");
                 let sources = column.iter().filter(|&&value| value > 0.0).count();

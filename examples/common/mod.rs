@@ -1,62 +1,51 @@
-//! Helpers shared by the examples: command-line flags and the digits data set.
+//! Helpers shared by the examples: the `--device` flag, progress bars, the digits data set and
+//! its classifier, and the character-level language model ([`lm`]).
 
 #![allow(dead_code)] // each example uses a different part
 
-use std::collections::HashMap;
-use std::str::FromStr;
+use std::time::Duration;
 
+use burn::module::ParamGroup;
+use burn::nn::loss::CrossEntropyLossConfig;
 use burn::nn::{LayerNorm, LayerNormConfig, Linear, LinearConfig};
+use burn::optim::GradientsParams;
 use burn::prelude::*;
-use burn_connectivity::{Hacn, HacnConfig, MlpBlock, MlpBlockConfig, Stack};
+use burn_connectivity::training::{GroupedAdamConfig, LrSchedule, connectivity_group};
+use burn_connectivity::{ConnectivityConfig, MlpBlock, MlpBlockConfig, Stack, StreamConnectivity};
+use indicatif::{ProgressBar, ProgressStyle};
 
-/// `--name value` flags and positional arguments.
-pub struct Args {
-    flags: HashMap<String, String>,
-    /// Arguments that are not flags, in order.
-    pub positional: Vec<String>,
+pub mod lm;
+pub mod terminator;
+
+/// The `--device` flag every example takes.
+#[derive(clap::Args, Debug, Clone)]
+pub struct DeviceArg {
+    /// Backend to run on: flex, ndarray, wgpu, vulkan, metal or cuda (those compiled in;
+    /// `--features NAME` adds one).
+    #[arg(long, default_value = "flex")]
+    pub device: String,
 }
 
-impl Args {
-    /// Parses the process arguments. Every flag takes a value; `known` lists the accepted
-    /// names besides `device`. `--help` prints `usage` and exits.
-    pub fn parse(usage: &str, known: &[&str]) -> Result<Self, String> {
-        let mut flags = HashMap::new();
-        let mut positional = Vec::new();
-        let mut args = std::env::args().skip(1);
-        while let Some(arg) = args.next() {
-            if arg == "-h" || arg == "--help" {
-                println!("{usage}");
-                std::process::exit(0);
-            }
-            match arg.strip_prefix("--") {
-                Some(name) if name == "device" || known.contains(&name) => {
-                    let value = args
-                        .next()
-                        .ok_or_else(|| format!("--{name} needs a value\n{usage}"))?;
-                    flags.insert(name.to_string(), value);
-                }
-                Some(name) => return Err(format!("unknown flag --{name}\n{usage}")),
-                None => positional.push(arg),
-            }
-        }
-        Ok(Self { flags, positional })
-    }
-
-    /// The value of `--name`, or `default`.
-    pub fn get<T: FromStr>(&self, name: &str, default: T) -> Result<T, String> {
-        match self.flags.get(name) {
-            Some(text) => text
-                .parse()
-                .map_err(|_| format!("invalid value for --{name}: {text:?}")),
-            None => Ok(default),
-        }
-    }
-
-    /// The device named by `--device` (default `flex`); an error names the compiled backends.
+impl DeviceArg {
+    /// The device; an error names the compiled backends.
     pub fn device(&self) -> Result<Device, String> {
-        let name = self.get("device", String::from("flex"))?;
-        burn_connectivity::backend::device(&name).map_err(|err| err.to_string())
+        burn_connectivity::backend::device(&self.device).map_err(|err| err.to_string())
     }
+}
+
+/// A progress bar on standard error (hidden when it is not a terminal), `prefix` in front.
+pub fn progress(len: u64, prefix: impl Into<String>) -> ProgressBar {
+    let bar = ProgressBar::new(len);
+    bar.set_style(
+        ProgressStyle::with_template(
+            "{prefix:>12} [{bar:30.cyan/blue}] {pos}/{len} {msg} ({elapsed}, eta {eta})",
+        )
+        .expect("a valid template")
+        .progress_chars("=> "),
+    );
+    bar.set_prefix(prefix.into());
+    bar.enable_steady_tick(Duration::from_millis(500));
+    bar
 }
 
 /// The UCI handwritten digits (8x8 images, pixels 0..16, labels 0..9; CC BY 4.0, see
@@ -112,6 +101,43 @@ impl Digits {
         (pick(&order[test_len..]), pick(&order[..test_len]))
     }
 
+    /// The images of the listed classes only, relabelled `0..classes.len()` in that order.
+    pub fn only_classes(&self, classes: &[usize]) -> Self {
+        let kept: Vec<(usize, usize)> = self
+            .labels
+            .iter()
+            .enumerate()
+            .filter_map(|(index, label)| {
+                classes
+                    .iter()
+                    .position(|class| class == label)
+                    .map(|new| (index, new))
+            })
+            .collect();
+        Self {
+            pixels: kept.iter().map(|&(index, _)| self.pixels[index]).collect(),
+            labels: kept.iter().map(|&(_, new)| new).collect(),
+        }
+    }
+
+    /// The same images with their 64 pixels reordered by `permutation` (pixel `k` of an output
+    /// image is pixel `permutation[k]` of the input).
+    pub fn permuted(&self, permutation: &[usize]) -> Self {
+        Self {
+            pixels: self
+                .pixels
+                .iter()
+                .map(|image| std::array::from_fn(|k| image[permutation[k]]))
+                .collect(),
+            labels: self.labels.clone(),
+        }
+    }
+
+    /// Every image at once, `[n, 64]` and `[n]`.
+    pub fn all(&self, device: &Device) -> (Tensor<2>, Tensor<1, Int>) {
+        self.batch(&(0..self.len()).collect::<Vec<_>>(), device)
+    }
+
     /// The images at `indices` as `[n, 64]` features and `[n]` labels.
     pub fn batch(&self, indices: &[usize], device: &Device) -> (Tensor<2>, Tensor<1, Int>) {
         let pixels: Vec<f32> = indices.iter().flat_map(|&i| self.pixels[i]).collect();
@@ -148,29 +174,30 @@ pub fn accuracy(logits: Tensor<2>, labels: Tensor<1, Int>) -> f64 {
 
 /// Pixels → embedding → connected stack of MLP blocks → LayerNorm → linear head.
 #[derive(Module, Debug)]
-pub struct Classifier {
+pub struct Classifier<C> {
     pub embed: Linear,
-    pub stack: Stack<MlpBlock, Hacn>,
+    pub stack: Stack<MlpBlock, C>,
     pub norm: LayerNorm,
     pub head: Linear,
 }
 
-impl Classifier {
-    /// `blocks` MLP blocks of width `width` wired by `connectivity`.
+impl<C: StreamConnectivity<2>> Classifier<C> {
+    /// `blocks` MLP blocks of width `width` wired by `connectivity`, for `classes` classes.
     pub fn new(
-        connectivity: &HacnConfig,
+        connectivity: &impl ConnectivityConfig<Connectivity = C>,
         blocks: usize,
         width: usize,
+        classes: usize,
         device: &Device,
     ) -> Result<Self, String> {
         // Blocks and head are drawn before the connectivity so every variant starts from the
-        // same weights; only H-ACN's noisy gates draw after them.
+        // same weights; only connectivities with random parameters draw after them.
         let embed = LinearConfig::new(64, width).init(device);
         let blocks = MlpBlockConfig::new(width, 2 * width)
             .init_stack(blocks, device)
             .map_err(|err| err.to_string())?;
         let norm = LayerNormConfig::new(width).init(device);
-        let head = LinearConfig::new(width, Digits::CLASSES).init(device);
+        let head = LinearConfig::new(width, classes).init(device);
         let stack = Stack::new(blocks, connectivity, device).map_err(|err| err.to_string())?;
         Ok(Self {
             embed,
@@ -193,4 +220,109 @@ impl Classifier {
         let readout = self.stack.readout(self.embed.forward(pixels));
         readout.into_iter().map(|y| self.classify(y)).collect()
     }
+}
+
+/// How a digits classifier trains: mini-batches of `batch_size` in a seeded order, one
+/// optimiser step each, `epochs` passes.
+pub struct DigitsTraining {
+    pub epochs: usize,
+    pub batch_size: usize,
+    pub seed: u64,
+    /// Built for the whole run: its schedule must know `epochs · batches` steps.
+    pub optimizer: GroupedAdamConfig,
+}
+
+impl DigitsTraining {
+    /// Optimiser steps of a run on `train_len` images.
+    pub fn total_steps(&self, train_len: usize) -> usize {
+        self.epochs * train_len.div_ceil(self.batch_size)
+    }
+}
+
+/// Trains `model` on `train`, the connectivity in its own parameter group; `after_epoch` sees
+/// the epoch, its mean training loss and the model. `bar` advances once per epoch.
+pub fn fit_digits<C: StreamConnectivity<2>>(
+    mut model: Classifier<C>,
+    train: &Digits,
+    training: &DigitsTraining,
+    bar: &ProgressBar,
+    mut after_epoch: impl FnMut(usize, f64, &Classifier<C>),
+) -> Result<Classifier<C>, String> {
+    let device = model.embed.weight.device();
+    let group = connectivity_group(&model.stack.connectivity);
+    let (mut optimizer, mut learning_rates) = training
+        .optimizer
+        .build(&group)
+        .map_err(|err| err.to_string())?;
+    let loss_fn = CrossEntropyLossConfig::new().init(&device);
+    for epoch in 1..=training.epochs {
+        let order = shuffled(train.len(), training.seed + epoch as u64);
+        let (mut loss_sum, mut batches) = (0.0, 0);
+        for indices in order.chunks(training.batch_size) {
+            let (pixels, labels) = train.batch(indices, &device);
+            let loss = loss_fn.forward(model.forward(pixels), labels);
+            loss_sum += loss.clone().into_scalar::<f64>();
+            batches += 1;
+            let grads = GradientsParams::from_grads(loss.backward(), &model);
+            model = optimizer.step(learning_rates.step(), model, grads);
+        }
+        after_epoch(epoch, loss_sum / batches as f64, &model);
+        bar.inc(1);
+    }
+    Ok(model)
+}
+
+/// The training recipe from the flags of the same names, every bad value an error naming its
+/// flag: AdamW (`--lr`, `--beta2`) with the connectivity in its own group
+/// (`--connectivity-lr`, no weight decay), clipping at `--clip` (0: none), `--warmup` steps of
+/// linear warmup then cosine decay to 10% over `total_steps`.
+pub fn recipe(
+    lr: f64,
+    connectivity_lr: f64,
+    beta2: f64,
+    clip: f64,
+    warmup: usize,
+    total_steps: usize,
+) -> Result<GroupedAdamConfig, String> {
+    let positive = |flag: &str, value: f64| {
+        if value.is_finite() && value > 0.0 && value <= 1.0 {
+            Ok(())
+        } else {
+            Err(format!(
+                "{flag} must be a finite number in (0, 1], got {value}"
+            ))
+        }
+    };
+    positive("--lr", lr)?;
+    positive("--connectivity-lr", connectivity_lr)?;
+    if !(beta2.is_finite() && (0.0..1.0).contains(&beta2)) {
+        return Err(format!("--beta2 must be in [0, 1), got {beta2}"));
+    }
+    if !(clip.is_finite() && clip >= 0.0) {
+        return Err(format!(
+            "--clip must be a finite norm >= 0 (0: no clipping), got {clip}"
+        ));
+    }
+    if total_steps == 0 {
+        return Err("the run has no optimiser steps (--steps / --epochs is 0)".into());
+    }
+    if warmup >= total_steps {
+        return Err(format!(
+            "--warmup ({warmup} steps) must be shorter than training ({total_steps} steps)"
+        ));
+    }
+    let config = GroupedAdamConfig::new()
+        .with_learning_rate(lr)
+        .with_connectivity_learning_rate(connectivity_lr)
+        .with_beta_2(beta2)
+        .with_gradient_clip_norm((clip > 0.0).then_some(clip))
+        .with_schedule(LrSchedule::WarmupCosine {
+            warmup_steps: warmup,
+            total_steps,
+            final_fraction: 0.1,
+        });
+    config
+        .build(&ParamGroup::all())
+        .map_err(|err| err.to_string())?;
+    Ok(config)
 }

@@ -14,26 +14,32 @@ mod common;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-const USAGE: &str = "usage: conformance DIR [--device flex|ndarray|wgpu|vulkan|metal|cuda]";
+use clap::Parser;
+
+/// Recomputes the golden reference vectors in a directory and compares.
+#[derive(Parser, Debug)]
+#[command(long_about = None)]
+struct Flags {
+    /// Directory of `*.safetensors` golden files (the crate's: tests/golden).
+    dir: PathBuf,
+    #[command(flatten)]
+    device: common::DeviceArg,
+}
 
 fn main() -> ExitCode {
-    match run() {
+    match run(Flags::parse()) {
         Ok(true) => ExitCode::SUCCESS,
         Ok(false) => ExitCode::FAILURE,
         Err(message) => {
-            eprintln!("error: {message}\n{USAGE}");
+            eprintln!("error: {message}");
             ExitCode::from(2)
         }
     }
 }
 
-fn run() -> Result<bool, String> {
-    let args = common::Args::parse(USAGE, &[])?;
-    let [dir] = args.positional.as_slice() else {
-        return Err("expected exactly one DIR".to_string());
-    };
-    let dir = PathBuf::from(dir);
-    let device = args.device()?;
+fn run(flags: Flags) -> Result<bool, String> {
+    let dir = flags.dir;
+    let device = flags.device.device()?;
 
     let mut failed = 0;
     let mut total = 0;

@@ -1,0 +1,72 @@
+//! The examples refuse bad flags with a message naming the flag and exit code 2, never a panic.
+//! `cargo test` builds the examples next to this test's binary (`target/<profile>/examples/`).
+
+use std::path::PathBuf;
+use std::process::Command;
+
+/// The built example `name`.
+fn example(name: &str) -> PathBuf {
+    let test = std::env::current_exe().expect("the test binary's path");
+    let profile = test
+        .parent()
+        .and_then(|deps| deps.parent())
+        .expect("target/<profile>/deps/<test>");
+    profile.join("examples").join(name)
+}
+
+/// Runs `name` with `args`; asserts exit code 2, `flag` in the message and no panic.
+fn assert_refused(name: &str, args: &[&str], flag: &str) {
+    let path = example(name);
+    assert!(path.exists(), "{} not built", path.display());
+    let output = Command::new(&path).args(args).output().expect("runs");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(2), "{name} {args:?}: {stderr}");
+    assert!(
+        stderr.contains(flag),
+        "{name} {args:?} does not name {flag}: {stderr}"
+    );
+    assert!(
+        !stderr.contains("panicked"),
+        "{name} {args:?} panicked: {stderr}"
+    );
+}
+
+#[test]
+fn bad_flags_are_errors_naming_the_flag() {
+    assert_refused("reproduce", &["--seeds", "0"], "--seeds");
+    assert_refused("reproduce", &["--only", "vision"], "--only");
+    assert_refused(
+        "lm_wrap",
+        &["--connectivity", "resnet,hacn"],
+        "--connectivity",
+    );
+    assert_refused("lm_wrap", &["--steps", "10", "--warmup", "10"], "--warmup");
+    assert_refused("lm_wrap", &["--clip", "inf"], "--clip");
+    assert_refused("lm_wrap", &["--clip", "NaN"], "--clip");
+    assert_refused("lm_wrap", &["--ancre-tau", "0"], "--ancre-tau");
+    assert_refused("quickstart", &["--lr=-1"], "--lr");
+    assert_refused("quickstart", &["--blocks", "0"], "--blocks");
+    assert_refused("quickstart", &["--device", "tpu"], "tpu");
+    assert_refused("bench_connectivity", &["--runs", "0"], "--runs");
+    assert_refused("ddp_wrap", &["--strategy", "ddp"], "--strategy ddp");
+}
+
+#[test]
+fn help_lists_every_flag_with_its_default() {
+    let output = Command::new(example("reproduce"))
+        .arg("--help")
+        .output()
+        .expect("runs");
+    assert!(output.status.success());
+    let help = String::from_utf8_lossy(&output.stdout);
+    for expected in [
+        "--seeds",
+        "--quick",
+        "--only",
+        "--out",
+        "--device",
+        "[default: flex]",
+    ] {
+        assert!(help.contains(expected), "--help lacks {expected}: {help}");
+    }
+}

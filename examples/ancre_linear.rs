@@ -352,11 +352,5 @@ fn run(flags: Flags) -> Result<(), String> {
 }
 
 fn main() -> ExitCode {
-    match run(Flags::parse()) {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(message) => {
-            eprintln!("error: {message}");
-            ExitCode::from(2)
-        }
-    }
+    common::exit(run(Flags::parse()))
 }

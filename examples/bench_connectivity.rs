@@ -24,6 +24,7 @@ mod workloads;
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::collections::HashMap;
+use std::process::ExitCode;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
 
@@ -213,8 +214,11 @@ fn selected_variants(list: &str) -> Result<Vec<Variant>, String> {
     Ok(chosen)
 }
 
-fn main() -> Result<(), String> {
-    let flags = Flags::parse();
+fn main() -> ExitCode {
+    common::exit(run(Flags::parse()))
+}
+
+fn run(flags: Flags) -> Result<(), String> {
     let device = flags.device.device()?;
     let runs = flags.runs as usize;
     let warmup = flags.warmup;

@@ -27,7 +27,7 @@ use burn_connectivity::health::{FamilyHealth, HealthRecorder, read_health_log};
 use burn_connectivity::plot::{Heatmap, LineChart, Series};
 use burn_connectivity::{Hacn, HacnConfig};
 use clap::Parser;
-use common::{Classifier, DeviceArg, Digits, accuracy, progress, shuffled};
+use common::{Classifier, DeviceArg, Digits, DigitsArgs, accuracy, progress, shuffled};
 
 /// Auto-compression on the bundled digits: ResNet vs H-ACN, truncated to the smallest depth
 /// within a tolerance of the full model.
@@ -39,21 +39,8 @@ struct Flags {
     /// Largest validation-accuracy loss the truncated model may have.
     #[arg(long, default_value_t = 0.01)]
     tolerance: f64,
-    /// Training epochs per model.
-    #[arg(long, default_value_t = 30)]
-    epochs: usize,
-    /// MLP blocks.
-    #[arg(long, default_value_t = 16)]
-    blocks: usize,
-    /// Block width.
-    #[arg(long, default_value_t = 32)]
-    width: usize,
-    /// Adam's learning rate.
-    #[arg(long, default_value_t = 2e-3)]
-    lr: f64,
-    /// Seed of the weights, the splits and the data order.
-    #[arg(long, default_value_t = 7)]
-    seed: u64,
+    #[command(flatten)]
+    digits: DigitsArgs,
 }
 
 struct Settings {
@@ -178,37 +165,23 @@ fn train(
 }
 
 fn main() -> ExitCode {
-    match run(Flags::parse()) {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(message) => {
-            eprintln!("error: {message}");
-            ExitCode::from(2)
-        }
-    }
+    common::exit(run(Flags::parse()))
 }
 
 fn run(flags: Flags) -> Result<(), String> {
-    for (flag, value) in [
-        ("--epochs", flags.epochs),
-        ("--blocks", flags.blocks),
-        ("--width", flags.width),
-    ] {
-        if value == 0 {
-            return Err(format!("{flag} must be at least 1"));
-        }
-    }
-    if !(flags.lr.is_finite() && flags.lr > 0.0) {
+    flags.digits.check()?;
+    if !(flags.tolerance.is_finite() && flags.tolerance >= 0.0) {
         return Err(format!(
-            "--lr must be a finite number > 0, got {}",
-            flags.lr
+            "--tolerance must be a finite number >= 0, got {}",
+            flags.tolerance
         ));
     }
     let settings = Settings {
-        epochs: flags.epochs,
-        blocks: flags.blocks,
-        width: flags.width,
-        learning_rate: flags.lr,
-        seed: flags.seed,
+        epochs: flags.digits.epochs,
+        blocks: flags.digits.blocks,
+        width: flags.digits.width,
+        learning_rate: flags.digits.lr,
+        seed: flags.digits.seed,
         tolerance: flags.tolerance,
     };
     let device = flags.device.device()?.autodiff();

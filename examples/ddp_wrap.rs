@@ -322,9 +322,6 @@ fn run(flags: Flags) -> Result<(), String> {
     Ok(())
 }
 
-fn main() {
-    if let Err(message) = run(Flags::parse()) {
-        eprintln!("error: {message}");
-        std::process::exit(2);
-    }
+fn main() -> std::process::ExitCode {
+    common::exit(run(Flags::parse()))
 }

@@ -12,9 +12,11 @@
 //! loop per block, and the kernels of one connectivity step on its own, for the crate's
 //! formulation and for the alternatives it was compared with.
 
+mod common;
 #[path = "../benches/workloads/mod.rs"]
 mod workloads;
 
+use std::process::ExitCode;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -77,8 +79,11 @@ fn stream(device: &Device) -> Tensor<3> {
     Tensor::random([8, LENGTH, WIDTH], Distribution::Normal(0.0, 1.0), device)
 }
 
-fn main() -> Result<(), String> {
-    let flags = Flags::parse();
+fn main() -> ExitCode {
+    common::exit(run(Flags::parse()))
+}
+
+fn run(flags: Flags) -> Result<(), String> {
     let name = flags.device;
     let device = burn_connectivity::backend::device(&name).map_err(|err| err.to_string())?;
     let depth = flags.depth as usize;

@@ -102,18 +102,14 @@ struct Flags {
 
 fn run(flags: Flags) -> Result<(), String> {
     let device = flags.device.device()?;
-    for (flag, value) in [
+    common::require_counts(&[
         ("--steps", flags.steps),
         ("--batch", flags.batch),
         ("--context", flags.context),
         ("--layers", flags.layers),
         ("--width", flags.width),
         ("--heads", flags.heads),
-    ] {
-        if value == 0 {
-            return Err(format!("{flag} must be at least 1"));
-        }
-    }
+    ])?;
     if !(flags.ancre_tau.is_finite() && flags.ancre_tau > 0.0) {
         return Err(format!("--ancre-tau must be > 0, got {}", flags.ancre_tau));
     }
@@ -209,11 +205,5 @@ fn run(flags: Flags) -> Result<(), String> {
 }
 
 fn main() -> ExitCode {
-    match run(Flags::parse()) {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(message) => {
-            eprintln!("error: {message}");
-            ExitCode::from(2)
-        }
-    }
+    common::exit(run(Flags::parse()))
 }

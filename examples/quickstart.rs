@@ -18,7 +18,8 @@ use burn::prelude::*;
 use burn_connectivity::{Hacn, HacnConfig};
 use clap::Parser;
 use common::{
-    Classifier, DeviceArg, Digits, DigitsTraining, accuracy, fit_digits, progress, recipe,
+    Classifier, DeviceArg, Digits, DigitsArgs, DigitsTraining, accuracy, fit_digits, progress,
+    recipe,
 };
 
 /// ResNet vs ACN vs H-ACN on the bundled handwritten digits.
@@ -27,24 +28,11 @@ use common::{
 struct Flags {
     #[command(flatten)]
     device: DeviceArg,
-    /// Training epochs per model.
-    #[arg(long, default_value_t = 30)]
-    epochs: usize,
-    /// MLP blocks.
-    #[arg(long, default_value_t = 16)]
-    blocks: usize,
-    /// Block width.
-    #[arg(long, default_value_t = 32)]
-    width: usize,
-    /// Peak learning rate of the weights (AdamW, warmup for one epoch, cosine decay).
-    #[arg(long, default_value_t = 2e-3)]
-    lr: f64,
+    #[command(flatten)]
+    digits: DigitsArgs,
     /// Peak learning rate of the gates (no weight decay).
     #[arg(long, default_value_t = 1e-2)]
     connectivity_lr: f64,
-    /// Seed of the weights, the split and the data order.
-    #[arg(long, default_value_t = 7)]
-    seed: u64,
 }
 
 struct Report {
@@ -64,33 +52,33 @@ fn train(
     device: &Device,
 ) -> Result<Report, String> {
     let started = std::time::Instant::now();
-    device.seed(flags.seed);
+    device.seed(flags.digits.seed);
     let model: Classifier<Hacn> = Classifier::new(
         connectivity,
-        flags.blocks,
-        flags.width,
+        flags.digits.blocks,
+        flags.digits.width,
         Digits::CLASSES,
         device,
     )?;
     let batch_size = 64;
     let steps_per_epoch = train_set.len().div_ceil(batch_size);
     let training = DigitsTraining {
-        epochs: flags.epochs,
+        epochs: flags.digits.epochs,
         batch_size,
-        seed: flags.seed,
+        seed: flags.digits.seed,
         optimizer: recipe(
-            flags.lr,
+            flags.digits.lr,
             flags.connectivity_lr,
             0.999,
             0.0,
             steps_per_epoch,
-            flags.epochs * steps_per_epoch,
+            flags.digits.epochs * steps_per_epoch,
         )?,
     };
     let (test_pixels, test_labels) = test_set.all(&device.clone().without_autodiff());
-    let bar = progress(flags.epochs as u64, name);
+    let bar = progress(flags.digits.epochs as u64, name);
     let model = fit_digits(model, train_set, &training, &bar, |epoch, loss, model| {
-        if epoch == 1 || epoch % 5 == 0 || epoch == flags.epochs {
+        if epoch == 1 || epoch % 5 == 0 || epoch == flags.digits.epochs {
             let test_accuracy = accuracy(
                 model.valid().forward(test_pixels.clone()),
                 test_labels.clone(),
@@ -98,7 +86,7 @@ fn train(
             bar.suspend(|| {
                 println!(
                     "  [{name:>6}] epoch {epoch:>3}/{}  train loss {loss:.4}  test acc {test_accuracy:.3}  Γ {:.3}  ({:.1}s)",
-                    flags.epochs,
+                    flags.digits.epochs,
                     model.stack.connectivity.total_strength(),
                     started.elapsed().as_secs_f64()
                 )
@@ -124,26 +112,18 @@ fn train(
 }
 
 fn run(flags: Flags) -> Result<(), String> {
-    for (flag, value) in [
-        ("--epochs", flags.epochs),
-        ("--blocks", flags.blocks),
-        ("--width", flags.width),
-    ] {
-        if value == 0 {
-            return Err(format!("{flag} must be at least 1"));
-        }
-    }
+    flags.digits.check()?;
     let device = flags.device.device()?.autodiff();
-    let (train_set, test_set) = Digits::load()?.split(0.2, flags.seed);
+    let (train_set, test_set) = Digits::load()?.split(0.2, flags.digits.seed);
     println!(
         "digits: {} train / {} held-out test images; {} MLP blocks of width {}, {} epochs, AdamW lr {} \
          (warmup + cosine), gates lr {}, on {:?}",
         train_set.len(),
         test_set.len(),
-        flags.blocks,
-        flags.width,
-        flags.epochs,
-        flags.lr,
+        flags.digits.blocks,
+        flags.digits.width,
+        flags.digits.epochs,
+        flags.digits.lr,
         flags.connectivity_lr,
         device
     );
@@ -165,7 +145,9 @@ fn run(flags: Flags) -> Result<(), String> {
     }
 
     println!("\nheld-out accuracy and layer-wise accuracy (readout y_k through the shared head)");
-    let header: String = (0..=flags.blocks).map(|k| format!(" k={k:<3}")).collect();
+    let header: String = (0..=flags.digits.blocks)
+        .map(|k| format!(" k={k:<3}"))
+        .collect();
     println!("{:>8} {:>7} {:>6} |{header}", "model", "acc", "Γ");
     for report in &reports {
         let curve: String = report
@@ -196,11 +178,5 @@ fn run(flags: Flags) -> Result<(), String> {
 }
 
 fn main() -> ExitCode {
-    match run(Flags::parse()) {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(message) => {
-            eprintln!("error: {message}");
-            ExitCode::from(2)
-        }
-    }
+    common::exit(run(Flags::parse()))
 }

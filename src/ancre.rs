@@ -546,7 +546,7 @@ mod tests {
     use crate::block::Block;
     use crate::connectivity::probe_matrix;
     use crate::stack::Stack;
-    use crate::test_util::{TanhBlock, assert_close, blocks, input, residual_loop};
+    use crate::test_util::{TanhBlock, assert_close, blocks, gradient, input, residual_loop};
 
     fn random_logits(num_blocks: usize) -> AncreInit {
         let size = num_blocks + 1;
@@ -720,15 +720,7 @@ mod tests {
         let config = AncreConfig::new().with_init(random_logits(4));
         let stack = Stack::new(blocks(4, &device), &config, &device).unwrap();
         let grads = stack.forward(input(&device)).sum().backward();
-        let grad: Vec<f64> = stack
-            .connectivity
-            .logits
-            .val()
-            .grad(&grads)
-            .unwrap()
-            .into_data()
-            .iter()
-            .collect();
+        let grad = gradient(&stack.connectivity.logits, &grads);
         assert_eq!(grad[1], 0.0, "c_01 under ingoing normalisation");
         assert!(grad[2] != 0.0 && grad[5 + 2] != 0.0, "c_02 and c_12 train");
     }
@@ -848,15 +840,7 @@ mod tests {
         let x = input(&device);
         assert_close(model.forward(x.clone()), history_loop(&model, x.clone()));
         let grads = model.forward(x.clone()).sum().backward();
-        let grad: Vec<f64> = model
-            .connectivity
-            .logits
-            .val()
-            .grad(&grads)
-            .unwrap()
-            .into_data()
-            .iter()
-            .collect();
+        let grad = gradient(&model.connectivity.logits, &grads);
         assert!(grad[1] != 0.0, "without a softmax, p_01 trains");
 
         let fixed = AncreConfig::new()
@@ -885,15 +869,7 @@ mod tests {
             }
         }
         let grads = model.forward(x).sum().backward();
-        let grad: Vec<f64> = model
-            .connectivity
-            .logits
-            .val()
-            .grad(&grads)
-            .unwrap()
-            .into_data()
-            .iter()
-            .collect();
+        let grad = gradient(&model.connectivity.logits, &grads);
         for (k, &g) in grad.iter().enumerate() {
             let (i, j) = (k / 5, k % 5);
             if i + 1 == j {

@@ -50,3 +50,17 @@ pub fn assert_close<const D: usize>(actual: Tensor<D>, expected: Tensor<D>) {
         .into_data()
         .assert_approx_eq::<f32>(&expected.into_data(), Tolerance::absolute(1e-6));
 }
+
+/// The gradient of `param` in `grads`, read back to the host (panics if it has none).
+pub fn gradient<const D: usize>(
+    param: &burn::module::Param<Tensor<D>>,
+    grads: &burn::tensor::Gradients,
+) -> Vec<f64> {
+    param
+        .val()
+        .grad(grads)
+        .expect("the parameter has a gradient")
+        .into_data()
+        .iter()
+        .collect()
+}

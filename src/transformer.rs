@@ -754,13 +754,7 @@ mod tests {
             .sum()
             .backward();
         let strengths = model.depth_ln.as_ref().unwrap();
-        let gradient: Vec<f32> = strengths
-            .val()
-            .grad(&grads)
-            .unwrap()
-            .into_data()
-            .iter()
-            .collect();
+        let gradient = crate::test_util::gradient(strengths, &grads);
         assert_eq!(gradient.len(), LAYERS);
         assert!(
             gradient.iter().all(|g| g.is_finite() && *g != 0.0),

@@ -3,6 +3,7 @@
 
 #![allow(dead_code)] // each example uses a different part
 
+use std::process::ExitCode;
 use std::time::Duration;
 
 use burn::module::ParamGroup;
@@ -30,6 +31,63 @@ impl DeviceArg {
     /// The device; an error names the compiled backends.
     pub fn device(&self) -> Result<Device, String> {
         burn_connectivity::backend::device(&self.device).map_err(|err| err.to_string())
+    }
+}
+
+/// The process exit code of an example's `run`: 0, or 2 with the message on standard error.
+pub fn exit(result: Result<(), String>) -> ExitCode {
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(message) => {
+            eprintln!("error: {message}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+/// An error naming the first flag whose count is 0.
+pub fn require_counts(counts: &[(&str, usize)]) -> Result<(), String> {
+    match counts.iter().find(|(_, value)| *value == 0) {
+        Some((flag, _)) => Err(format!("{flag} must be at least 1")),
+        None => Ok(()),
+    }
+}
+
+/// The flags of a digits classifier run (quickstart, compress_digits).
+#[derive(clap::Args, Debug, Clone)]
+pub struct DigitsArgs {
+    /// Training epochs per model.
+    #[arg(long, default_value_t = 30)]
+    pub epochs: usize,
+    /// MLP blocks.
+    #[arg(long, default_value_t = 16)]
+    pub blocks: usize,
+    /// Block width.
+    #[arg(long, default_value_t = 32)]
+    pub width: usize,
+    /// Peak learning rate of the weights.
+    #[arg(long, default_value_t = 2e-3)]
+    pub lr: f64,
+    /// Seed of the weights, the splits and the data order.
+    #[arg(long, default_value_t = 7)]
+    pub seed: u64,
+}
+
+impl DigitsArgs {
+    /// Rejects zero counts and a learning rate outside `(0, 1]`.
+    pub fn check(&self) -> Result<(), String> {
+        require_counts(&[
+            ("--epochs", self.epochs),
+            ("--blocks", self.blocks),
+            ("--width", self.width),
+        ])?;
+        if !(self.lr.is_finite() && self.lr > 0.0 && self.lr <= 1.0) {
+            return Err(format!(
+                "--lr must be a finite number in (0, 1], got {}",
+                self.lr
+            ));
+        }
+        Ok(())
     }
 }
 

@@ -35,7 +35,7 @@ use burn::tensor::Distribution;
 use burn_connectivity::hyperzzw::Geometry;
 use burn_connectivity::transformer::Granularity;
 use burn_connectivity::{
-    AncreConfig, ConnectivityConfig, DenseFormerConfig, GateInit, HacnConfig,
+    AncreConfig, ConnectivityConfig, DenseFormerConfig, GateInit, Hacn, HacnConfig,
     HyperConnectionsConfig, MhcConfig, Normalization, StreamConnectivity,
 };
 use clap::{Parser, ValueEnum};
@@ -187,86 +187,53 @@ struct DigitsSplit {
     classes: usize,
 }
 
-fn digits_run(
-    net: DigitsNet,
-    data: &DigitsSplit,
+/// One digits training run: the data, its seed and budget, where it runs.
+struct DigitsJob<'a> {
+    data: &'a DigitsSplit,
     seed: u64,
     epochs: usize,
-    device: &Device,
-    bar: &ProgressBar,
-) -> Result<DigitsRun, String> {
-    fn no_gamma<C>(_: &C) -> f64 {
-        f64::NAN
-    }
-    match net {
-        DigitsNet::Resnet => train_digits(
-            &HacnConfig::resnet(),
-            |h| h.total_strength(),
-            data,
-            seed,
-            epochs,
-            device,
-            bar,
-        ),
-        DigitsNet::Acn => train_digits(
-            &HacnConfig::acn(),
-            |h| h.total_strength(),
-            data,
-            seed,
-            epochs,
-            device,
-            bar,
-        ),
-        DigitsNet::Hacn(mean) => {
-            let config = HacnConfig::new().with_init(GateInit::Normal { mean, std: 0.005 });
-            train_digits(
-                &config,
-                |h| h.total_strength(),
-                data,
-                seed,
-                epochs,
-                device,
-                bar,
-            )
+    device: &'a Device,
+    bar: &'a ProgressBar,
+}
+
+impl DigitsJob<'_> {
+    fn run(&self, net: DigitsNet) -> Result<DigitsRun, String> {
+        fn no_gamma<C>(_: &C) -> f64 {
+            f64::NAN
         }
-        DigitsNet::Ancre => train_digits(
-            &AncreConfig::new(),
-            no_gamma,
-            data,
-            seed,
-            epochs,
-            device,
-            bar,
-        ),
-        DigitsNet::Hc => {
-            let config = HyperConnectionsConfig::new(WIDTH).with_streams(4);
-            train_digits(&config, no_gamma, data, seed, epochs, device, bar)
-        }
-        DigitsNet::Mhc => {
-            let config = MhcConfig::new(WIDTH).with_streams(4);
-            train_digits(&config, no_gamma, data, seed, epochs, device, bar)
-        }
-        DigitsNet::Dwa => train_digits(
-            &DenseFormerConfig::new(),
-            no_gamma,
-            data,
-            seed,
-            epochs,
-            device,
-            bar,
-        ),
+        let gates = match net {
+            DigitsNet::Resnet => HacnConfig::resnet(),
+            DigitsNet::Acn => HacnConfig::acn(),
+            DigitsNet::Hacn(mean) => {
+                HacnConfig::new().with_init(GateInit::Normal { mean, std: 0.005 })
+            }
+            DigitsNet::Ancre => return train_digits(&AncreConfig::new(), no_gamma, self),
+            DigitsNet::Hc => {
+                let config = HyperConnectionsConfig::new(WIDTH).with_streams(4);
+                return train_digits(&config, no_gamma, self);
+            }
+            DigitsNet::Mhc => {
+                let config = MhcConfig::new(WIDTH).with_streams(4);
+                return train_digits(&config, no_gamma, self);
+            }
+            DigitsNet::Dwa => return train_digits(&DenseFormerConfig::new(), no_gamma, self),
+        };
+        train_digits(&gates, Hacn::total_strength, self)
     }
 }
 
 fn train_digits<C: StreamConnectivity<2>>(
     config: &impl ConnectivityConfig<Connectivity = C>,
     gamma: impl Fn(&C) -> f64,
-    data: &DigitsSplit,
-    seed: u64,
-    epochs: usize,
-    device: &Device,
-    bar: &ProgressBar,
+    job: &DigitsJob,
 ) -> Result<DigitsRun, String> {
+    let DigitsJob {
+        data,
+        seed,
+        epochs,
+        device,
+        bar,
+    } = *job;
     let training = device.clone().autodiff();
     training.seed(seed);
     let model = Classifier::new(config, BLOCKS, WIDTH, data.classes, &training)?;
@@ -338,7 +305,14 @@ fn digits_claims(
         let mut seed_runs = Vec::new();
         for net in DIGITS_NETS.iter().chain(&inits) {
             let bar = progress.run(budget.digits_epochs, format!("{} s{seed}", net.name()));
-            let run = digits_run(*net, &ten, seed, budget.digits_epochs, device, &bar)?;
+            let job = DigitsJob {
+                data: &ten,
+                seed,
+                epochs: budget.digits_epochs,
+                device,
+                bar: &bar,
+            };
+            let run = job.run(*net)?;
             progress.done(
                 bar,
                 format!(
@@ -351,14 +325,14 @@ fn digits_claims(
             seed_runs.push((*net, run));
         }
         let bar = progress.run(budget.digits_epochs, format!("2-class s{seed}"));
-        let run = digits_run(
-            DigitsNet::Hacn(0.25),
-            &two,
+        let job = DigitsJob {
+            data: &two,
             seed,
-            budget.digits_epochs,
+            epochs: budget.digits_epochs,
             device,
-            &bar,
-        )?;
+            bar: &bar,
+        };
+        let run = job.run(DigitsNet::Hacn(0.25))?;
         progress.done(
             bar,
             format!(
@@ -902,11 +876,5 @@ fn run(flags: Flags) -> Result<(), String> {
 }
 
 fn main() -> ExitCode {
-    match run(Flags::parse()) {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(message) => {
-            eprintln!("error: {message}");
-            ExitCode::from(2)
-        }
-    }
+    common::exit(run(Flags::parse()))
 }

@@ -3,7 +3,7 @@
 //! it, and whether it reproduced).
 //!
 //! ```text
-//! cargo run --release --example reproduce -- --quick        # 2 seeds, short runs (~10 min)
+//! cargo run --release --example reproduce -- --quick        # 2 seeds, short runs (~6 min on 2 cores)
 //! cargo run --release --example reproduce                   # 5 seeds, full budget
 //! cargo run --release --example reproduce -- --only lm --seeds 3
 //! ```
@@ -68,7 +68,7 @@ struct Flags {
     /// Seeds per claim (default 5; 2 with --quick).
     #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
     seeds: Option<u64>,
-    /// Fewer seeds and shorter runs: finishes in about 10 minutes on 2 cores.
+    /// Fewer seeds and shorter runs: 2 seeds, about 6 minutes on 2 cores.
     #[arg(long)]
     quick: bool,
     /// Groups of claims to run, comma separated.

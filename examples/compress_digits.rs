@@ -66,10 +66,6 @@ struct Outcome {
     saved: PathBuf,
 }
 
-fn all_of(digits: &Digits, device: &Device) -> (Tensor<2>, Tensor<1, Int>) {
-    digits.batch(&(0..digits.len()).collect::<Vec<_>>(), device)
-}
-
 fn train(
     name: &'static str,
     config: &HacnConfig,
@@ -122,7 +118,7 @@ fn train(
 
     let model = model.valid();
     let inference = device.clone().without_autodiff();
-    let (valid_pixels, valid_labels) = all_of(&splits.valid, &inference);
+    let (valid_pixels, valid_labels) = splits.valid.all(&inference);
     let scores: Vec<f64> = model
         .layerwise(valid_pixels)
         .into_iter()
@@ -151,7 +147,7 @@ fn train(
     )?
     .try_load_file(&saved)
     .map_err(|err| format!("loading {}: {err}", saved.display()))?;
-    let (test_pixels, test_labels) = all_of(&splits.test, &inference);
+    let (test_pixels, test_labels) = splits.test.all(&inference);
     let full_test = accuracy(model.forward(test_pixels.clone()), test_labels.clone());
     let compressed_test = accuracy(reloaded.forward(test_pixels), test_labels);
     let outcome = Outcome {

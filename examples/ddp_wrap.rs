@@ -310,8 +310,7 @@ fn run(flags: Flags) -> Result<(), String> {
         return Err(format!("training failed: {error:?}"));
     }
 
-    let all: Vec<usize> = (0..test_set.len()).collect();
-    let (pixels, labels) = test_set.batch(&all, &device.clone().without_autodiff());
+    let (pixels, labels) = test_set.all(&device.clone().without_autodiff());
     let model = result.model.valid();
     let logits = model.logits(pixels.reshape([test_set.len(), ROWS, 64 / ROWS]));
     println!(

@@ -22,7 +22,7 @@ use std::process::ExitCode;
 use burn_connectivity::transformer::Granularity;
 use burn_connectivity::{AncreConfig, Normalization};
 use clap::{Parser, ValueEnum};
-use common::lm::{Corpus, LmConnectivity, LmSettings, TEXT, train_connectivity};
+use common::lm::{Corpus, LmConnectivity, LmSettings, TEXT, format_values, train_connectivity};
 use common::{DeviceArg, progress, recipe};
 
 /// Where the connectivity takes over the encoder layers' shortcuts.
@@ -186,18 +186,13 @@ fn run(flags: Flags) -> Result<(), String> {
         settings.layers
     );
     for (which, outcome) in &outcomes {
-        let curve: Vec<String> = outcome
-            .layerwise
-            .iter()
-            .map(|loss| format!("{loss:.3}"))
-            .collect();
         println!(
             "{:>8}: valid loss {:.3} ({:.3} bits/char), {:.1} s training; layer-wise [{}]; {}",
             which.name(),
             outcome.loss(),
             outcome.loss() / std::f64::consts::LN_2,
             outcome.seconds,
-            curve.join(", "),
+            format_values(&outcome.layerwise),
             outcome.connectivity
         );
     }

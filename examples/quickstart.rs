@@ -19,7 +19,6 @@ use burn_connectivity::{Hacn, HacnConfig};
 use clap::Parser;
 use common::{
     Classifier, DeviceArg, Digits, DigitsArgs, DigitsTraining, accuracy, fit_digits, progress,
-    recipe,
 };
 
 /// ResNet vs ACN vs H-ACN on the bundled handwritten digits.
@@ -60,21 +59,11 @@ fn train(
         Digits::CLASSES,
         device,
     )?;
-    let batch_size = 64;
-    let steps_per_epoch = train_set.len().div_ceil(batch_size);
-    let training = DigitsTraining {
-        epochs: flags.digits.epochs,
-        batch_size,
-        seed: flags.digits.seed,
-        optimizer: recipe(
-            flags.digits.lr,
-            flags.connectivity_lr,
-            0.999,
-            0.0,
-            steps_per_epoch,
-            flags.digits.epochs * steps_per_epoch,
-        )?,
-    };
+    let training = DigitsTraining::warmup_cosine(
+        (flags.digits.epochs, flags.digits.seed),
+        (flags.digits.lr, flags.connectivity_lr),
+        train_set.len(),
+    )?;
     let (test_pixels, test_labels) = test_set.all(&device.clone().without_autodiff());
     let bar = progress(flags.digits.epochs as u64, name);
     let model = fit_digits(model, train_set, &training, &bar, |epoch, loss, model| {

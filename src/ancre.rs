@@ -204,22 +204,6 @@ impl AncreConfig {
     }
 }
 
-/// Whether target `j` mixes source `i` under these settings.
-fn shortcut(
-    source: usize,
-    target: usize,
-    families: usize,
-    residual_families: &[usize],
-    mixing: Mixing,
-) -> bool {
-    if source >= target || !(target - 1 - source).is_multiple_of(families) {
-        return false;
-    }
-    let residual =
-        mixing == Mixing::Cascade || residual_families.contains(&((target - 1) % families));
-    !residual || source + 1 == target
-}
-
 impl ConnectivityConfig for AncreConfig {
     type Connectivity = Ancre;
 
@@ -309,13 +293,7 @@ impl Ancre {
         let kept = self.num_blocks + 1;
         // Residual families' own shortcuts are 1 whatever the normalisation.
         let residual: Vec<bool> = (0..size * size)
-            .map(|k| {
-                let (source, target) = (k / size, k % size);
-                source + 1 == target
-                    && self
-                        .residual_families
-                        .contains(&((target - 1) % self.families))
-            })
+            .map(|k| k / size + 1 == k % size && self.residual_target(k % size))
             .collect();
         let residual =
             Tensor::<2, Bool>::from_data(TensorData::new(residual, [size, size]), &device);
@@ -343,15 +321,20 @@ impl Ancre {
         keep(softmax(scaled, dim).mask_fill(no_shortcut, 0.0))
     }
 
-    /// Whether target `j` mixes source `i` (see the [module docs](self)).
+    /// Whether target `j` mixes source `i` (see the [module docs](self)): `i < j`, same family,
+    /// and only `i = j − 1` for a residual target or under [`Mixing::Cascade`].
     pub fn shortcut(&self, source: usize, target: usize) -> bool {
-        shortcut(
-            source,
-            target,
-            self.families,
-            &self.residual_families,
-            self.mixing,
-        )
+        if source >= target || !(target - 1 - source).is_multiple_of(self.families) {
+            return false;
+        }
+        let single = self.mixing == Mixing::Cascade || self.residual_target(target);
+        !single || source + 1 == target
+    }
+
+    /// Whether target `j >= 1` belongs to a family kept on the plain residual.
+    fn residual_target(&self, target: usize) -> bool {
+        self.residual_families
+            .contains(&((target - 1) % self.families))
     }
 
     /// Whether a gradient reaches the coefficients.

@@ -69,18 +69,23 @@ impl DepthLn {
     /// # Panics
     /// If the last axis of `input` is not the configured width (as [`LayerNorm`]).
     pub fn forward<const D: usize>(&self, input: Tensor<D>) -> Tensor<D> {
-        let scale = self
-            .strength
-            .val()
-            .mul_scalar(self.depth as f64)
-            .add_scalar(1.0);
-        self.norm.forward(input) * scale.reshape([1usize; D])
+        depth_scaled(self.norm.forward(input), self.strength.val(), self.depth)
     }
 
     /// The feature width this norm accepts.
     pub fn width(&self) -> usize {
         self.norm.gamma.dims()[0]
     }
+}
+
+/// `(1 + depth·s)·normed`, `strength = [s]` (shared with the DepthLN of wrapped encoders).
+pub(crate) fn depth_scaled<const D: usize>(
+    normed: Tensor<D>,
+    strength: Tensor<1>,
+    depth: usize,
+) -> Tensor<D> {
+    let scale = strength.mul_scalar(depth as f64).add_scalar(1.0);
+    normed * scale.reshape([1usize; D])
 }
 
 #[cfg(test)]

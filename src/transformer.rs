@@ -56,6 +56,7 @@ use burn::store::ModuleRecord;
 use burn::tensor::Bool;
 
 use crate::connectivity::{Connectivity, ConnectivityConfig, StreamConnectivity};
+use crate::depth_ln::depth_scaled;
 use crate::error::{Error, Result, check_depth, check_finite};
 use crate::matrix::ConnectivityMatrix;
 
@@ -408,14 +409,7 @@ impl<C: StreamConnectivity<3>> ConnectedEncoder<C> {
     fn norm(&self, norm: &LayerNorm, index: usize, input: Tensor<3>) -> Tensor<3> {
         let normed = norm.forward(input);
         match &self.depth_ln {
-            Some(strengths) => {
-                let scale = strengths
-                    .val()
-                    .narrow(0, index, 1)
-                    .mul_scalar((index + 1) as f64)
-                    .add_scalar(1.0);
-                normed * scale.reshape([1, 1, 1])
-            }
+            Some(strengths) => depth_scaled(normed, strengths.val().narrow(0, index, 1), index + 1),
             None => normed,
         }
     }

@@ -320,7 +320,8 @@ impl LmConnectivity {
 /// Streams of the multi-stream connectivities.
 pub const STREAMS: usize = 4;
 
-fn format_values(values: &[f64]) -> String {
+/// `v1, v2, …` with three decimals.
+pub fn format_values(values: &[f64]) -> String {
     values
         .iter()
         .map(|v| format!("{v:.3}"))

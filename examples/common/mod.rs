@@ -291,9 +291,29 @@ pub struct DigitsTraining {
 }
 
 impl DigitsTraining {
-    /// Optimiser steps of a run on `train_len` images.
-    pub fn total_steps(&self, train_len: usize) -> usize {
-        self.epochs * train_len.div_ceil(self.batch_size)
+    /// Batches of 64 on `train_len` images; AdamW at `lr` (β2 0.999, no clipping) with the
+    /// connectivity at `connectivity_lr`, one epoch of warmup, cosine decay over the run.
+    pub fn warmup_cosine(
+        (epochs, seed): (usize, u64),
+        (lr, connectivity_lr): (f64, f64),
+        train_len: usize,
+    ) -> Result<Self, String> {
+        let batch_size = 64;
+        let steps_per_epoch = train_len.div_ceil(batch_size);
+        let optimizer = recipe(
+            lr,
+            connectivity_lr,
+            0.999,
+            0.0,
+            steps_per_epoch,
+            epochs * steps_per_epoch,
+        )?;
+        Ok(Self {
+            epochs,
+            batch_size,
+            seed,
+            optimizer,
+        })
     }
 }
 

@@ -237,22 +237,7 @@ fn train_digits<C: StreamConnectivity<2>>(
     let training = device.clone().autodiff();
     training.seed(seed);
     let model = Classifier::new(config, BLOCKS, WIDTH, data.classes, &training)?;
-    let batch_size = 64;
-    let steps_per_epoch = data.train.len().div_ceil(batch_size);
-    let optimizer = recipe(
-        2e-3,
-        1e-2,
-        0.999,
-        0.0,
-        steps_per_epoch,
-        epochs * steps_per_epoch,
-    )?;
-    let settings = DigitsTraining {
-        epochs,
-        batch_size,
-        seed,
-        optimizer,
-    };
+    let settings = DigitsTraining::warmup_cosine((epochs, seed), (2e-3, 1e-2), data.train.len())?;
     let model = fit_digits(model, &data.train, &settings, bar, |_, loss, _| {
         bar.set_message(format!("loss {loss:.3}"))
     })?

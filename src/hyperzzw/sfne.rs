@@ -334,12 +334,14 @@ impl SfneBlockConfig {
                 requirement: "at most the smallest side of the geometry",
             });
         }
-        let slow_net = |grid: Vec<usize>, out: usize, hidden: usize| {
+        let slow_net_config = |grid: Vec<usize>, out: usize, hidden: usize| {
             SlowNetConfig::new(grid, out)
                 .with_hidden(hidden)
                 .with_layers(self.layers)
                 .with_omega_0(self.omega_0)
-                .init(device)
+        };
+        let slow_net = |grid: Vec<usize>, out: usize, hidden: usize| {
+            slow_net_config(grid, out, hidden).init(device)
         };
         let locals = self
             .local_kernel_sizes
@@ -378,10 +380,7 @@ impl SfneBlockConfig {
             + usize::from(self.hyper_interaction)
             + locals.len();
         let positions = self.geometry.positions();
-        let global = SlowNetConfig::new(grid, channels)
-            .with_hidden(self.global_hidden)
-            .with_layers(self.layers)
-            .with_omega_0(self.omega_0)
+        let global = slow_net_config(grid, channels, self.global_hidden)
             .with_s_renorm(self.global_s_renorm)
             .init(device)?;
         Ok(SfneBlock {

@@ -1,13 +1,15 @@
 //! Picking a Burn device by backend name, for command-line tools and examples.
 //!
 //! Each backend is a cargo feature of this crate forwarding to Burn's feature of the same name:
-//! `flex` (default, pure-Rust CPU), `ndarray` (deprecated upstream), `wgpu`, `vulkan`, `metal`
-//! and `cuda`.
+//! `flex` (default, pure-Rust CPU), `ndarray` (deprecated upstream), `wgpu`, `vulkan`, `metal`,
+//! `cuda` and `tch` (LibTorch's CPU device; PyTorch's kernels, see the README for the setup).
 
 use burn::prelude::*;
 
 use crate::error::{Error, Result};
 
+#[cfg(feature = "flex")]
+pub(crate) mod fft_conv;
 #[cfg(feature = "flex")]
 mod flex_kernels;
 #[cfg(feature = "flex")]
@@ -18,7 +20,7 @@ pub(crate) mod sinkhorn;
 pub(crate) mod stream_mix;
 
 /// Every backend name this crate knows, compiled in or not.
-pub const BACKENDS: [&str; 6] = ["flex", "ndarray", "wgpu", "vulkan", "metal", "cuda"];
+pub const BACKENDS: [&str; 7] = ["flex", "ndarray", "wgpu", "vulkan", "metal", "cuda", "tch"];
 
 /// The backend names compiled into this build.
 pub fn compiled_backends() -> Vec<&'static str> {
@@ -36,6 +38,7 @@ fn is_compiled(name: &str) -> bool {
         "vulkan" => cfg!(feature = "vulkan"),
         "metal" => cfg!(feature = "metal"),
         "cuda" => cfg!(feature = "cuda"),
+        "tch" => cfg!(feature = "tch"),
         _ => false,
     }
 }
@@ -100,6 +103,8 @@ fn compiled_device(name: &str) -> Option<Device> {
         "metal" => Some(Device::metal(Default::default())),
         #[cfg(feature = "cuda")]
         "cuda" => Some(Device::cuda(0)),
+        #[cfg(feature = "tch")]
+        "tch" => Some(Device::libtorch()),
         _ => None,
     }
 }
@@ -160,9 +165,25 @@ pub(crate) fn flex_fused_dtype(dtype: burn::tensor::DType) -> bool {
     matches!(dtype, burn::tensor::DType::F32 | burn::tensor::DType::F64)
 }
 
-/// Whether `device` has Burn's native FFT kernels (Flex and the CubeCL backends).
+/// Whether `device` (or the device under its autodiff layer) is a LibTorch device.
+pub(crate) fn is_libtorch(device: &Device) -> bool {
+    #[cfg(feature = "tch")]
+    {
+        matches!(
+            device.clone().without_autodiff().as_dispatch(),
+            burn::backend::DispatchDevice::LibTorch(_)
+        )
+    }
+    #[cfg(not(feature = "tch"))]
+    {
+        let _ = device;
+        false
+    }
+}
+
+/// Whether `device` has native FFT kernels: Flex's and CubeCL's own, PyTorch's on LibTorch.
 pub(crate) fn has_native_fft(device: &Device) -> bool {
-    is_flex(device) || is_cube(device)
+    is_flex(device) || is_cube(device) || is_libtorch(device)
 }
 
 #[cfg(test)]
@@ -189,6 +210,13 @@ mod tests {
         }
         #[cfg(feature = "wgpu")]
         assert!(is_cube(&device("wgpu").unwrap().autodiff()));
+        #[cfg(feature = "tch")]
+        {
+            let libtorch = device("tch").unwrap().autodiff();
+            assert!(is_libtorch(&libtorch) && has_native_fft(&libtorch));
+            assert!(!is_flex(&libtorch) && !is_cube(&libtorch));
+        }
+        assert!(!is_libtorch(&Device::flex().autodiff()));
     }
 
     #[test]

@@ -1,5 +1,6 @@
-//! The same models and weights on Flex, NdArray and wgpu (Mesa's lavapipe in CI), and record
-//! save→load, for every connectivity, on stacks of MLP blocks and on wrapped burn-nn encoders.
+//! The same models and weights on Flex, NdArray and wgpu (Mesa's lavapipe in CI), and LibTorch
+//! with `--features tch`, and record save→load, for every connectivity, on stacks of MLP blocks
+//! and on wrapped burn-nn encoders.
 
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::nn::activation::ActivationConfig;
@@ -79,13 +80,17 @@ fn parameter_gradients(model: &impl Module, grads: &Gradients) -> Vec<TensorData
     visitor.found
 }
 
-/// The backends compared with Flex: NdArray, and wgpu (Mesa's lavapipe where there is no GPU)
-/// unless `BURN_CONNECTIVITY_SKIP_WGPU` is set, for machines without any Vulkan driver.
+/// The backends compared with Flex: NdArray, wgpu (Mesa's lavapipe where there is no GPU)
+/// unless `BURN_CONNECTIVITY_SKIP_WGPU` is set, for machines without any Vulkan driver, and
+/// LibTorch's CPU device when built with `--features tch`.
 #[allow(deprecated)]
 fn other_backends() -> Vec<(&'static str, Device)> {
     let mut backends = vec![("ndarray", Device::ndarray())];
     if std::env::var_os("BURN_CONNECTIVITY_SKIP_WGPU").is_none() {
         backends.push(("wgpu", burn_connectivity::backend::device("wgpu").unwrap()));
+    }
+    if cfg!(feature = "tch") {
+        backends.push(("tch", burn_connectivity::backend::device("tch").unwrap()));
     }
     backends
 }
@@ -393,7 +398,7 @@ fn truncated_models_save_and_load_as_smaller_models() {
     );
 }
 
-/// Global (FFT on Flex and wgpu, matmul DFT on NdArray) and local HyperZZW: outputs and input
+/// Global (FFT on Flex, wgpu and LibTorch, matmul DFT on NdArray) and local HyperZZW: outputs and input
 /// gradients.
 #[test]
 fn hyperzzw_operators_agree_across_backends() {

@@ -8,7 +8,7 @@
 //!   DWA (`dwa`, dilation 1 and period 1: an average after every block). `forward` runs the stack;
 //!   `train_step` runs forward and backward of the mean output (gradients of every parameter,
 //!   no optimiser update, which costs the same for every variant).
-//! * `gconv{256,1024,4096}`: global HyperZZW `conv(Z, Z ⊙ K)` on `[B, C, T] = [8, 64, T]`, by FFT
+//! * `gconv{64,128,256,1024,4096}`: global HyperZZW `conv(Z, Z ⊙ K)` on `[B, C, T] = [8, 64, T]`, by FFT
 //!   or by direct `O(T²)` convolution.
 
 #![allow(dead_code)] // the bench and the example use different parts
@@ -28,7 +28,7 @@ pub const LENGTH: usize = 128;
 pub const WIDTH: usize = 256;
 pub const DEPTHS: [usize; 2] = [12, 24];
 pub const CHANNELS: usize = 64;
-pub const GCONV_LENGTHS: [usize; 3] = [256, 1024, 4096];
+pub const GCONV_LENGTHS: [usize; 5] = [64, 128, 256, 1024, 4096];
 
 /// How the blocks of a stack are wired.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -21,7 +21,7 @@ pub mod terminator;
 /// The `--device` flag every example takes.
 #[derive(clap::Args, Debug, Clone)]
 pub struct DeviceArg {
-    /// Backend to run on: flex, ndarray, wgpu, vulkan, metal or cuda (those compiled in;
+    /// Backend to run on: flex, ndarray, wgpu, vulkan, metal, cuda or tch (those compiled in;
     /// `--features NAME` adds one).
     #[arg(long, default_value = "flex")]
     pub device: String,

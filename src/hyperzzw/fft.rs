@@ -1,7 +1,7 @@
 //! Real and complex DFTs along one axis, on every backend, differentiable.
 //!
-//! Burn's `signal::{rfft, irfft, cfft}` have kernels on Flex and the CubeCL backends only; on
-//! NdArray they compile and panic at run time. [`FftPath::for_device`] picks them where they
+//! Burn's `signal::{rfft, irfft, cfft}` have kernels on Flex, the CubeCL backends and LibTorch
+//! only; on NdArray they compile and panic at run time. [`FftPath::for_device`] picks them where they
 //! exist and a dense DFT by matrix products elsewhere (O(T·n) per row instead of O(n log n),
 //! exact and differentiable through plain tensor ops).
 
@@ -14,7 +14,7 @@ use crate::backend::has_native_fft;
 /// How the transforms are computed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FftPath {
-    /// `burn::signal` (Flex, CubeCL backends).
+    /// `burn::signal` (Flex, CubeCL backends, LibTorch).
     Native,
     /// Dense DFT matrices and matrix products (any backend).
     Matmul,

@@ -261,10 +261,17 @@ pub(crate) fn fft_conv_1d(
     crop: Crop,
     path: FftPath,
 ) -> Tensor<3> {
-    let geometry = Geometry::Sequence {
-        length: signal.dims()[2],
-    };
-    SpectralConv::new(kernel, geometry, crop, path).apply(signal)
+    let length = signal.dims()[2];
+    #[cfg(feature = "flex")]
+    if path == FftPath::Native
+        && crate::backend::is_flex(&signal.device())
+        && crate::backend::fft_conv::supports(signal.dtype())
+        && kernel.dtype() == signal.dtype()
+    {
+        // Transforms, product and crop per row in one op (src/backend/fft_conv.rs).
+        return crate::backend::fft_conv::fft_conv_1d(signal, kernel, crop.start(length));
+    }
+    SpectralConv::new(kernel, Geometry::Sequence { length }, crop, path).apply(signal)
 }
 
 /// Linear convolution over the last two axes by FFT, cropped to the map size.

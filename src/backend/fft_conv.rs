@@ -1,0 +1,418 @@
+//! The global HyperZZW convolution along sequences as one fused CPU op on Flex, with its own
+//! backward: every row's transforms, spectral product and crop in one pass, on RustFFT's plans
+//! (through `realfft`).
+//!
+//! For rows `x = signal[b, c]` and `k = kernel[b or 0, c]` of length `T`, FFT length
+//! `n = next_pow2(2T − 1)` (so the circular products below never wrap) and crop start `s₀`:
+//!
+//! ```text
+//! out[t]  = full[s₀ + t],   full = irfft(rfft(x, n) · rfft(k, n), n)      t = 0..T
+//! ∂x[s]   = irfft(G · conj(rfft(k, n)), n)[s]                           s = 0..T
+//! ∂k[τ]   = irfft(G · conj(rfft(x, n)), n)[τ]                           τ = 0..T
+//! G       = rfft(∂full, n),  ∂full[s₀ + t] = ∂out[t], 0 elsewhere
+//! ```
+//!
+//! (`∂k` summed over the batch when the kernel has batch 1.) Composed from `burn::signal`, the
+//! forward is two transforms, six full-size elementwise ops on the half spectra, an inverse
+//! transform and a crop, each writing a fresh `[B, C, n/2 + 1]` or `[B, C, n]` tensor; here each
+//! row stays in a thread's scratch buffers from its input to its output. Flex only (f32 and f64).
+
+use burn::backend::autodiff::checkpoint::base::Checkpointer;
+use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
+use burn::backend::autodiff::grads::Gradients;
+use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
+use burn::backend::autodiff::{Autodiff, NodeId};
+use burn::backend::tensor::FloatTensor;
+use burn::backend::{Backend, Dispatch, backend_extension};
+use burn::tensor::{DType, Tensor};
+use burn_flex::{Flex, FlexTensor};
+use rayon::prelude::*;
+use realfft::num_complex::Complex;
+use realfft::{ComplexToReal, FftNum, RealFftPlanner, RealToComplex};
+use std::sync::Arc;
+
+use super::flex_kernels::{Scalar, dims, tensor, values};
+
+/// The fused FFT convolution (see the [module docs](self)).
+#[backend_extension(Flex: cfg(feature = "flex"), Autodiff)]
+pub(crate) trait FftConvBackend: Backend {
+    /// `signal [B, C, T]` convolved with `kernel [B | 1, C, T]`, keeping `full[start..start + T]`.
+    fn fft_conv_1d(
+        signal: FloatTensor<Self>,
+        kernel: FloatTensor<Self>,
+        start: usize,
+    ) -> FloatTensor<Self>;
+
+    /// The gradients of `signal` and `kernel` (each shaped like its input), given the gradient
+    /// of the output.
+    fn fft_conv_1d_backward(
+        signal: FloatTensor<Self>,
+        kernel: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        start: usize,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>);
+}
+
+/// The convolution through the fused op: Flex devices, f32 or f64, `kernel` with the batch of
+/// `signal` or 1, both contiguous or not.
+pub(crate) fn fft_conv_1d(signal: Tensor<3>, kernel: Tensor<3>, start: usize) -> Tensor<3> {
+    Tensor::from_dispatch(<Dispatch as FftConvBackend>::fft_conv_1d(
+        signal.into_dispatch(),
+        kernel.into_dispatch(),
+        start,
+    ))
+}
+
+/// Whether [`fft_conv_1d`] takes tensors of this dtype.
+pub(crate) fn supports(dtype: DType) -> bool {
+    matches!(dtype, DType::F32 | DType::F64)
+}
+
+/// The FFT length of a linear convolution of two length-`length` rows.
+fn fft_length(length: usize) -> usize {
+    (2 * length - 1).next_power_of_two().max(2)
+}
+
+/// Forward and inverse real transforms of one length, shared by the threads.
+struct Plans<E: FftNum> {
+    n: usize,
+    forward: Arc<dyn RealToComplex<E>>,
+    inverse: Arc<dyn ComplexToReal<E>>,
+}
+
+/// One thread's buffers: a time-domain row, two half spectra and the plans' scratch.
+struct Scratch<E> {
+    time: Vec<E>,
+    spectrum: Vec<Complex<E>>,
+    other: Vec<Complex<E>>,
+    work: Vec<Complex<E>>,
+}
+
+impl<E: Scalar + FftNum> Plans<E> {
+    fn new(length: usize) -> Self {
+        let n = fft_length(length);
+        let mut planner = RealFftPlanner::<E>::new();
+        Self {
+            n,
+            forward: planner.plan_fft_forward(n),
+            inverse: planner.plan_fft_inverse(n),
+        }
+    }
+
+    fn scratch(&self) -> Scratch<E> {
+        let work = self
+            .forward
+            .get_scratch_len()
+            .max(self.inverse.get_scratch_len());
+        Scratch {
+            time: vec![E::zero(); self.n],
+            spectrum: self.forward.make_output_vec(),
+            other: self.forward.make_output_vec(),
+            work: vec![Complex::new(E::zero(), E::zero()); work],
+        }
+    }
+
+    /// `rfft(row placed at offset, zero elsewhere, n)` into `out`, through `time`.
+    fn transform(
+        &self,
+        row: &[E],
+        offset: usize,
+        time: &mut [E],
+        out: &mut [Complex<E>],
+        work: &mut [Complex<E>],
+    ) {
+        time.fill(E::zero());
+        time[offset..offset + row.len()].copy_from_slice(row);
+        self.forward
+            .process_with_scratch(time, out, work)
+            .expect("buffer lengths come from the plan");
+    }
+
+    /// `out = irfft(spectrum, n)[offset..offset + out.len()]` (with the `1/n`); `spectrum` is
+    /// used up.
+    fn inverse_into(
+        &self,
+        spectrum: &mut [Complex<E>],
+        offset: usize,
+        time: &mut [E],
+        work: &mut [Complex<E>],
+        out: &mut [E],
+    ) {
+        // The imaginary parts of DC and Nyquist are zero in exact arithmetic; realfft insists.
+        let last = spectrum.len() - 1;
+        spectrum[0].im = E::zero();
+        spectrum[last].im = E::zero();
+        self.inverse
+            .process_with_scratch(spectrum, time, work)
+            .expect("buffer lengths come from the plan");
+        let scale = E::one() / <E as num_traits::NumCast>::from(self.n).expect("FFT length fits");
+        for (o, &v) in out.iter_mut().zip(&time[offset..]) {
+            *o = v * scale;
+        }
+    }
+}
+
+/// `a ← a · b`, or `a ← a · conj(b)`.
+fn multiply<E: Scalar + FftNum>(a: &mut [Complex<E>], b: &[Complex<E>], conjugate: bool) {
+    if conjugate {
+        a.iter_mut().zip(b).for_each(|(x, y)| *x = *x * y.conj());
+    } else {
+        a.iter_mut().zip(b).for_each(|(x, y)| *x = *x * *y);
+    }
+}
+
+/// The kernel's spectrum per channel when one kernel row serves the whole batch (transformed
+/// once, not once per sample), `None` when every sample has its own.
+fn shared_kernel_spectra<E: Scalar + FftNum>(
+    plans: &Plans<E>,
+    kernel: &[E],
+    length: usize,
+    shared: bool,
+) -> Option<Vec<Vec<Complex<E>>>> {
+    shared.then(|| {
+        kernel
+            .par_chunks(length)
+            .map(|row| {
+                let mut scratch = plans.scratch();
+                let mut spectrum = plans.forward.make_output_vec();
+                plans.transform(row, 0, &mut scratch.time, &mut spectrum, &mut scratch.work);
+                spectrum
+            })
+            .collect()
+    })
+}
+
+fn forward<E: Scalar + FftNum>(
+    signal: &FlexTensor,
+    kernel: &FlexTensor,
+    start: usize,
+) -> FlexTensor {
+    let [batch, channels, length] = dims::<3>(signal);
+    let shared = dims::<3>(kernel)[0] == 1 && batch > 1;
+    let plans = Plans::<E>::new(length);
+    let (x, k) = (values::<E>(signal), values::<E>(kernel));
+    let spectra = shared_kernel_spectra(&plans, &k, length, shared);
+    let mut out = vec![E::zero(); batch * channels * length];
+    out.par_chunks_mut(length).enumerate().for_each_init(
+        || plans.scratch(),
+        |s, (row, out)| {
+            let signal_row = &x[row * length..][..length];
+            plans.transform(signal_row, 0, &mut s.time, &mut s.spectrum, &mut s.work);
+            match &spectra {
+                Some(spectra) => multiply(&mut s.spectrum, &spectra[row % channels], false),
+                None => {
+                    let kernel_row = &k[row * length..][..length];
+                    plans.transform(kernel_row, 0, &mut s.time, &mut s.other, &mut s.work);
+                    multiply(&mut s.spectrum, &s.other, false);
+                }
+            }
+            plans.inverse_into(&mut s.spectrum, start, &mut s.time, &mut s.work, out);
+        },
+    );
+    tensor(out, [batch, channels, length])
+}
+
+fn backward<E: Scalar + FftNum>(
+    signal: &FlexTensor,
+    kernel: &FlexTensor,
+    grad: &FlexTensor,
+    start: usize,
+) -> (FlexTensor, FlexTensor) {
+    let [batch, channels, length] = dims::<3>(signal);
+    let kernel_batch = dims::<3>(kernel)[0];
+    let shared = kernel_batch == 1 && batch > 1;
+    let plans = Plans::<E>::new(length);
+    let (x, k, g) = (values::<E>(signal), values::<E>(kernel), values::<E>(grad));
+    let spectra = shared_kernel_spectra(&plans, &k, length, shared);
+    let rows = batch * channels * length;
+    // ∂k per sample row; summed over the batch below when the kernel is shared.
+    let (mut grad_signal, mut grad_kernel) = (vec![E::zero(); rows], vec![E::zero(); rows]);
+    grad_signal
+        .par_chunks_mut(length)
+        .zip(grad_kernel.par_chunks_mut(length))
+        .enumerate()
+        .for_each_init(
+            || (plans.scratch(), plans.forward.make_output_vec()),
+            |(s, upstream), (row, (grad_signal, grad_kernel))| {
+                let grad_row = &g[row * length..][..length];
+                plans.transform(grad_row, start, &mut s.time, upstream, &mut s.work);
+                // ∂x = irfft(G · conj(K)).
+                s.spectrum.copy_from_slice(upstream);
+                match &spectra {
+                    Some(spectra) => multiply(&mut s.spectrum, &spectra[row % channels], true),
+                    None => {
+                        let kernel_row = &k[row * length..][..length];
+                        plans.transform(kernel_row, 0, &mut s.time, &mut s.other, &mut s.work);
+                        multiply(&mut s.spectrum, &s.other, true);
+                    }
+                }
+                plans.inverse_into(&mut s.spectrum, 0, &mut s.time, &mut s.work, grad_signal);
+                // ∂k = irfft(G · conj(X)).
+                let signal_row = &x[row * length..][..length];
+                plans.transform(signal_row, 0, &mut s.time, &mut s.other, &mut s.work);
+                multiply(upstream, &s.other, true);
+                plans.inverse_into(upstream, 0, &mut s.time, &mut s.work, grad_kernel);
+            },
+        );
+    let grad_kernel = if kernel_batch == 1 && batch > 1 {
+        let (first, rest) = grad_kernel.split_at_mut(channels * length);
+        for sample in rest.chunks(channels * length) {
+            first.iter_mut().zip(sample).for_each(|(sum, &v)| *sum += v);
+        }
+        grad_kernel.truncate(channels * length);
+        grad_kernel
+    } else {
+        grad_kernel
+    };
+    (
+        tensor(grad_signal, [batch, channels, length]),
+        tensor(grad_kernel, [kernel_batch, channels, length]),
+    )
+}
+
+impl FftConvBackend for Flex {
+    fn fft_conv_1d(signal: FlexTensor, kernel: FlexTensor, start: usize) -> FlexTensor {
+        match signal.dtype() {
+            DType::F32 => forward::<f32>(&signal, &kernel, start),
+            DType::F64 => forward::<f64>(&signal, &kernel, start),
+            other => panic!("fused FFT convolution: f32 or f64, got {other:?}"),
+        }
+    }
+
+    fn fft_conv_1d_backward(
+        signal: FlexTensor,
+        kernel: FlexTensor,
+        grad: FlexTensor,
+        start: usize,
+    ) -> (FlexTensor, FlexTensor) {
+        match signal.dtype() {
+            DType::F32 => backward::<f32>(&signal, &kernel, &grad, start),
+            DType::F64 => backward::<f64>(&signal, &kernel, &grad, start),
+            other => panic!("fused FFT convolution: f32 or f64, got {other:?}"),
+        }
+    }
+}
+
+/// The fused convolution under autodiff: parents `[signal, kernel]`.
+#[derive(Debug)]
+struct FftConv;
+
+impl<B: FftConvBackend> Backward<B, 2> for FftConv {
+    type State = ([NodeId; 2], usize);
+
+    fn backward(
+        self,
+        ops: Ops<Self::State, 2>,
+        grads: &mut Gradients,
+        checkpointer: &mut Checkpointer,
+    ) {
+        let grad = grads.consume::<B>(&ops.node);
+        let (nodes, start) = ops.state;
+        let [signal, kernel] = nodes.map(|id| checkpointer.retrieve_node_output(id));
+        let (grad_signal, grad_kernel) = B::fft_conv_1d_backward(signal, kernel, grad, start);
+        for (parent, grad) in ops.parents.into_iter().zip([grad_signal, grad_kernel]) {
+            if let Some(parent) = parent {
+                grads.register::<B>(parent.id, grad);
+            }
+        }
+    }
+}
+
+impl<B: FftConvBackend, C: CheckpointStrategy> FftConvBackend for Autodiff<B, C> {
+    fn fft_conv_1d(
+        signal: FloatTensor<Self>,
+        kernel: FloatTensor<Self>,
+        start: usize,
+    ) -> FloatTensor<Self> {
+        match FftConv
+            .prepare::<C>([signal.node(), kernel.node()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(mut prep) => {
+                let state = [prep.checkpoint(&signal), prep.checkpoint(&kernel)];
+                let output =
+                    B::fft_conv_1d(signal.into_primitive(), kernel.into_primitive(), start);
+                prep.finish((state, start), output)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(B::fft_conv_1d(
+                signal.into_primitive(),
+                kernel.into_primitive(),
+                start,
+            )),
+        }
+    }
+
+    fn fft_conv_1d_backward(
+        signal: FloatTensor<Self>,
+        kernel: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        start: usize,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        // First-order only: the gradients are constants to the graph.
+        let (grad_signal, grad_kernel) = B::fft_conv_1d_backward(
+            signal.into_primitive(),
+            kernel.into_primitive(),
+            grad.into_primitive(),
+            start,
+        );
+        let constant = <Self as burn::backend::AutodiffBackend>::from_inner;
+        (constant(grad_signal), constant(grad_kernel))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use burn::prelude::*;
+    use burn::tensor::{DType, Distribution, Tolerance};
+
+    use crate::hyperzzw::{Crop, direct_conv_1d};
+
+    /// The fused op against the direct `O(T²)` convolution, forward and both gradients, for
+    /// both crops, a kernel shared by the batch or one per sample, lengths that are and are not
+    /// powers of two, a transposed (non-contiguous) signal, in f32 and f64.
+    #[test]
+    fn fused_op_matches_the_direct_convolution() {
+        let device = Device::flex().autodiff();
+        for dtype in [DType::F32, DType::F64] {
+            for (length, kernel_batch, crop) in [
+                (1, 1, Crop::Causal),
+                (7, 3, Crop::Same),
+                (16, 1, Crop::Same),
+                (33, 3, Crop::Causal),
+            ] {
+                let random = |shape: [usize; 3]| {
+                    Tensor::<3>::random(shape, Distribution::Normal(0.0, 1.0), &device).cast(dtype)
+                };
+                let (signal, kernel) = (random([3, length, 2]), random([kernel_batch, 2, length]));
+                let probe = random([3, 2, length]);
+                let start = match crop {
+                    Crop::Causal => 0,
+                    Crop::Same => (length - 1) / 2,
+                };
+                // Output, signal gradient and kernel gradient, on fresh leaves (one graph each);
+                // the signal `[B, C, T]` is read through a transpose of `[B, T, C]`.
+                let run = |fused: bool| {
+                    let (leaf, kernel) =
+                        (signal.clone().require_grad(), kernel.clone().require_grad());
+                    let x = leaf.clone().swap_dims(1, 2);
+                    let out = if fused {
+                        super::fft_conv_1d(x, kernel.clone(), start)
+                    } else {
+                        direct_conv_1d(x, kernel.clone().expand([3, 2, length]), crop)
+                    };
+                    let grads = (out.clone() * probe.clone()).sum().backward();
+                    [
+                        out.into_data(),
+                        leaf.grad(&grads).unwrap().into_data(),
+                        kernel.grad(&grads).unwrap().into_data(),
+                    ]
+                };
+                let tolerance = Tolerance::absolute(if dtype == DType::F32 { 1e-4 } else { 1e-10 });
+                for (fused, direct) in run(true).iter().zip(&run(false)) {
+                    fused.assert_approx_eq::<f64>(direct, tolerance);
+                }
+            }
+        }
+    }
+}

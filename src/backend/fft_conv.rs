@@ -161,25 +161,46 @@ fn multiply<E: Scalar + FftNum>(a: &mut [Complex<E>], b: &[Complex<E>], conjugat
     }
 }
 
-/// The kernel's spectrum per channel when one kernel row serves the whole batch (transformed
-/// once, not once per sample), `None` when every sample has its own.
-fn shared_kernel_spectra<E: Scalar + FftNum>(
-    plans: &Plans<E>,
-    kernel: &[E],
+/// The kernel rows, with their spectra per channel computed once when one kernel row serves the
+/// whole batch (`shared`), or transformed row by row when every sample has its own.
+struct KernelRows<'a, E> {
+    rows: &'a [E],
     length: usize,
-    shared: bool,
-) -> Option<Vec<Vec<Complex<E>>>> {
-    shared.then(|| {
-        kernel
-            .par_chunks(length)
-            .map(|row| {
-                let mut scratch = plans.scratch();
-                let mut spectrum = plans.forward.make_output_vec();
-                plans.transform(row, 0, &mut scratch.time, &mut spectrum, &mut scratch.work);
-                spectrum
-            })
-            .collect()
-    })
+    channels: usize,
+    shared: Option<Vec<Vec<Complex<E>>>>,
+}
+
+impl<'a, E: Scalar + FftNum> KernelRows<'a, E> {
+    fn new(plans: &Plans<E>, rows: &'a [E], [batch, channels, length]: [usize; 3]) -> Self {
+        let shared = (rows.len() == channels * length && batch > 1).then(|| {
+            rows.par_chunks(length)
+                .map(|row| {
+                    let mut scratch = plans.scratch();
+                    let mut spectrum = plans.forward.make_output_vec();
+                    plans.transform(row, 0, &mut scratch.time, &mut spectrum, &mut scratch.work);
+                    spectrum
+                })
+                .collect()
+        });
+        Self {
+            rows,
+            length,
+            channels,
+            shared,
+        }
+    }
+
+    /// `s.spectrum ← s.spectrum · K` (or `· conj(K)`) with the kernel of signal row `row`.
+    fn multiply(&self, plans: &Plans<E>, s: &mut Scratch<E>, row: usize, conjugate: bool) {
+        match &self.shared {
+            Some(spectra) => multiply(&mut s.spectrum, &spectra[row % self.channels], conjugate),
+            None => {
+                let kernel_row = &self.rows[row * self.length..][..self.length];
+                plans.transform(kernel_row, 0, &mut s.time, &mut s.other, &mut s.work);
+                multiply(&mut s.spectrum, &s.other, conjugate);
+            }
+        }
+    }
 }
 
 fn forward<E: Scalar + FftNum>(
@@ -187,25 +208,17 @@ fn forward<E: Scalar + FftNum>(
     kernel: &FlexTensor,
     start: usize,
 ) -> FlexTensor {
-    let [batch, channels, length] = dims::<3>(signal);
-    let shared = dims::<3>(kernel)[0] == 1 && batch > 1;
+    let shape @ [batch, channels, length] = dims::<3>(signal);
     let plans = Plans::<E>::new(length);
     let (x, k) = (values::<E>(signal), values::<E>(kernel));
-    let spectra = shared_kernel_spectra(&plans, &k, length, shared);
+    let kernel = KernelRows::new(&plans, &k, shape);
     let mut out = vec![E::zero(); batch * channels * length];
     out.par_chunks_mut(length).enumerate().for_each_init(
         || plans.scratch(),
         |s, (row, out)| {
             let signal_row = &x[row * length..][..length];
             plans.transform(signal_row, 0, &mut s.time, &mut s.spectrum, &mut s.work);
-            match &spectra {
-                Some(spectra) => multiply(&mut s.spectrum, &spectra[row % channels], false),
-                None => {
-                    let kernel_row = &k[row * length..][..length];
-                    plans.transform(kernel_row, 0, &mut s.time, &mut s.other, &mut s.work);
-                    multiply(&mut s.spectrum, &s.other, false);
-                }
-            }
+            kernel.multiply(&plans, s, row, false);
             plans.inverse_into(&mut s.spectrum, start, &mut s.time, &mut s.work, out);
         },
     );
@@ -218,12 +231,11 @@ fn backward<E: Scalar + FftNum>(
     grad: &FlexTensor,
     start: usize,
 ) -> (FlexTensor, FlexTensor) {
-    let [batch, channels, length] = dims::<3>(signal);
+    let shape @ [batch, channels, length] = dims::<3>(signal);
     let kernel_batch = dims::<3>(kernel)[0];
-    let shared = kernel_batch == 1 && batch > 1;
     let plans = Plans::<E>::new(length);
     let (x, k, g) = (values::<E>(signal), values::<E>(kernel), values::<E>(grad));
-    let spectra = shared_kernel_spectra(&plans, &k, length, shared);
+    let kernel = KernelRows::new(&plans, &k, shape);
     let rows = batch * channels * length;
     // ∂k per sample row; summed over the batch below when the kernel is shared.
     let (mut grad_signal, mut grad_kernel) = (vec![E::zero(); rows], vec![E::zero(); rows]);
@@ -238,14 +250,7 @@ fn backward<E: Scalar + FftNum>(
                 plans.transform(grad_row, start, &mut s.time, upstream, &mut s.work);
                 // ∂x = irfft(G · conj(K)).
                 s.spectrum.copy_from_slice(upstream);
-                match &spectra {
-                    Some(spectra) => multiply(&mut s.spectrum, &spectra[row % channels], true),
-                    None => {
-                        let kernel_row = &k[row * length..][..length];
-                        plans.transform(kernel_row, 0, &mut s.time, &mut s.other, &mut s.work);
-                        multiply(&mut s.spectrum, &s.other, true);
-                    }
-                }
+                kernel.multiply(&plans, s, row, true);
                 plans.inverse_into(&mut s.spectrum, 0, &mut s.time, &mut s.work, grad_signal);
                 // ∂k = irfft(G · conj(X)).
                 let signal_row = &x[row * length..][..length];

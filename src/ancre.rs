@@ -17,6 +17,8 @@
 //!
 //! The mixture is accumulated progressively: as soon as `s_i` exists, `p_ij s_i` is added to
 //! the pending sum of every later target `j`; no `[j, batch, …]` history is ever stacked.
+//! On Flex (f32, f64) each target's mixture is instead one fused op over the states so far, with
+//! its own backward (`src/backend/history_mix.rs`: one pass per target forward and backward).
 //! A step is one fused kernel on CubeCL backends: a forward pass fetches `p` once, as host
 //! scalars when no gradient flows to the logits (inference) and as aligned broadcast rows
 //! under a gradient (README, "Kernels per block on CubeCL").
@@ -45,6 +47,7 @@ use burn::module::Param;
 use burn::prelude::*;
 use burn::tensor::activation::softmax;
 
+use crate::backend::{History, fused_history};
 use crate::connectivity::{
     Connectivity, ConnectivityConfig, Scales, StreamConnectivity, UsedEntries, leading_part,
 };
@@ -271,11 +274,28 @@ pub struct Ancre {
 pub struct AncreState<const D: usize> {
     /// The stream `s_j`, input of the next block.
     pub stream: Tensor<D>,
-    /// `Σ_{i<=j} p_it s_i` for the targets `t = j+1..=K`, in order (`None` while no source of
-    /// the target has been seen).
-    pending: Vec<Option<Tensor<D>>>,
-    /// The coefficients `p` (row = source, column = target), computed once per forward pass.
-    coefficients: Scales,
+    mixtures: Mixtures<D>,
+}
+
+/// How the mixtures are formed.
+#[derive(Debug, Clone)]
+enum Mixtures<const D: usize> {
+    /// From tensor ops, accumulated progressively.
+    Pending {
+        /// `Σ_{i<=j} p_it s_i` for the targets `t = j+1..=K`, in order (`None` while no source
+        /// of the target has been seen).
+        pending: Vec<Option<Tensor<D>>>,
+        /// The coefficients `p` (row = source, column = target), computed once per forward pass.
+        coefficients: Scales,
+    },
+    /// One fused op per target over the states so far (Flex, `src/backend/history_mix.rs`).
+    Fused {
+        /// The states `s_0..s_j`, state `i` at index `i`.
+        history: History,
+        /// The differentiable coefficients `p` (`[K+1, K+1]`) flattened row by row, computed
+        /// once per forward pass: `p_it` at `i (K+1) + t`.
+        coefficients: Tensor<1>,
+    },
 }
 
 impl Ancre {
@@ -459,6 +479,18 @@ impl<const D: usize> StreamConnectivity<D> for Ancre {
     type State = AncreState<D>;
 
     fn start(&self, input: Tensor<D>) -> AncreState<D> {
+        if let Some(history) = fused_history(&input) {
+            let coefficients = self.coefficients();
+            let count = coefficients.shape().num_elements();
+            let mixtures = Mixtures::Fused {
+                history,
+                coefficients: coefficients.reshape([count]),
+            };
+            return AncreState {
+                stream: input,
+                mixtures,
+            };
+        }
         let coefficients = Scales::new(
             self.coefficients(),
             UsedEntries::AboveDiagonal,
@@ -473,8 +505,10 @@ impl<const D: usize> StreamConnectivity<D> for Ancre {
             .collect();
         AncreState {
             stream: input,
-            pending,
-            coefficients,
+            mixtures: Mixtures::Pending {
+                pending,
+                coefficients,
+            },
         }
     }
 
@@ -484,35 +518,71 @@ impl<const D: usize> StreamConnectivity<D> for Ancre {
 
     fn step_with_tail(
         &self,
-        mut state: AncreState<D>,
+        state: AncreState<D>,
         block: usize,
         branch: Tensor<D>,
         tail: impl FnOnce(Tensor<D>) -> Tensor<D>,
     ) -> AncreState<D> {
-        let source = block + 1;
-        let mut pending = std::mem::take(&mut state.pending).into_iter();
-        let mixture = pending
-            .next()
-            .flatten()
-            .expect("every target mixes at least its own input");
-        state.stream = tail(branch + mixture);
-        state.pending = pending
-            .enumerate()
-            .map(|(offset, sum)| {
-                let target = source + 1 + offset;
-                if !self.shortcut(source, target) {
-                    return sum;
+        let target = block + 1;
+        let AncreState { stream, mixtures } = state;
+        let (stream, mixtures) = match mixtures {
+            Mixtures::Fused {
+                history,
+                coefficients,
+            } => {
+                // The newest state, s_{target-1}, is a source of every target.
+                let size = self.num_blocks + 1;
+                let terms = (0..target - 1)
+                    .filter(|&source| self.shortcut(source, target))
+                    .map(|source| (source, source * size + target))
+                    .collect();
+                let newest = (target - 1) * size + target;
+                let mixture = history.mix(terms, newest, coefficients.clone(), stream);
+                for source in 0..target {
+                    let last_target =
+                        (target + 1..=self.num_blocks).all(|later| !self.shortcut(source, later));
+                    if last_target {
+                        history.forget(source);
+                    }
                 }
-                let term = state
-                    .coefficients
-                    .scale(source, target, state.stream.clone());
-                Some(match sum {
-                    Some(sum) => sum + term,
-                    None => term,
-                })
-            })
-            .collect();
-        state
+                let mixtures = Mixtures::Fused {
+                    history,
+                    coefficients,
+                };
+                (tail(branch + mixture), mixtures)
+            }
+            Mixtures::Pending {
+                pending,
+                coefficients,
+            } => {
+                let mut pending = pending.into_iter();
+                let mixture = pending
+                    .next()
+                    .flatten()
+                    .expect("every target mixes at least its own input");
+                let stream = tail(branch + mixture);
+                let pending = pending
+                    .enumerate()
+                    .map(|(offset, sum)| {
+                        let later = target + 1 + offset;
+                        if !self.shortcut(target, later) {
+                            return sum;
+                        }
+                        let term = coefficients.scale(target, later, stream.clone());
+                        Some(match sum {
+                            Some(sum) => sum + term,
+                            None => term,
+                        })
+                    })
+                    .collect();
+                let mixtures = Mixtures::Pending {
+                    pending,
+                    coefficients,
+                };
+                (stream, mixtures)
+            }
+        };
+        AncreState { stream, mixtures }
     }
 
     fn output(&self, state: &AncreState<D>) -> Tensor<D> {

@@ -14,6 +14,10 @@ pub(crate) mod fft_conv;
 mod flex_kernels;
 #[cfg(feature = "flex")]
 pub(crate) mod gelu;
+#[cfg(feature = "flex")]
+mod history_mix;
+#[cfg(feature = "flex")]
+pub(crate) use history_mix::History;
 #[cfg(any(feature = "cube-kernels", feature = "flex"))]
 pub(crate) mod sinkhorn;
 #[cfg(feature = "flex")]
@@ -163,6 +167,48 @@ pub(crate) fn has_fused_sinkhorn<const D: usize>(tensor: &Tensor<D>) -> bool {
 /// Whether the crate's fused Flex ops take this dtype.
 pub(crate) fn flex_fused_dtype(dtype: burn::tensor::DType) -> bool {
     matches!(dtype, burn::tensor::DType::F32 | burn::tensor::DType::F64)
+}
+
+/// Without Flex there is no fused history mix: no value of this type exists.
+#[cfg(not(feature = "flex"))]
+#[derive(Clone, Debug)]
+pub(crate) enum History {}
+
+#[cfg(not(feature = "flex"))]
+impl History {
+    #[cfg(test)]
+    pub(crate) fn kept_states(&self) -> Vec<usize> {
+        match *self {}
+    }
+
+    pub(crate) fn forget(&self, _index: usize) {
+        match *self {}
+    }
+
+    pub(crate) fn mix<const D: usize>(
+        &self,
+        _sources: Vec<usize>,
+        _weights: Tensor<1>,
+        _newest: Tensor<D>,
+    ) -> Tensor<D> {
+        match *self {}
+    }
+}
+
+/// A history for the fused weighted sums of ANCRe and DenseFormer over states like `first`
+/// (`src/backend/history_mix.rs`), where the device has them: Flex, f32 or f64.
+pub(crate) fn fused_history<const D: usize>(first: &Tensor<D>) -> Option<History> {
+    #[cfg(feature = "flex")]
+    {
+        let device = first.device();
+        (is_flex(&device) && flex_fused_dtype(first.dtype()))
+            .then(|| History::new(device.is_autodiff()))
+    }
+    #[cfg(not(feature = "flex"))]
+    {
+        let _ = first;
+        None
+    }
 }
 
 /// Whether `device` (or the device under its autodiff layer) is a LibTorch device.

@@ -18,7 +18,9 @@
 //! Only the states a later average still needs are kept (`X_k` is dropped after the last `i ≥ k`
 //! that averages over it); under a gradient, autodiff keeps what the backward pass needs anyway.
 //! The average is a chain of scaled additions with the weights fetched once per forward pass
-//! (host scalars at inference, one fused kernel per step on CubeCL backends, as ANCRe's mixture).
+//! (host scalars at inference, one fused kernel per step on CubeCL backends, as ANCRe's mixture);
+//! on Flex (f32, f64) with `period = 1` it is one fused op with its own backward
+//! (`src/backend/history_mix.rs`).
 //!
 //! `C` and the output column follow exactly from the linear recursion:
 //! `coef(X_i) = coef(Y_{i-1}) + e_i`, `C[:, i] = coef(Y_{i-1})`, `out = coef(Y_L)`.
@@ -26,6 +28,7 @@
 use burn::module::Param;
 use burn::prelude::*;
 
+use crate::backend::{History, fused_history};
 use crate::connectivity::{
     Connectivity, ConnectivityConfig, Scales, StreamConnectivity, UsedEntries,
 };
@@ -89,10 +92,26 @@ pub struct DenseFormer {
 pub struct DenseFormerState<const D: usize> {
     /// The stream `Y_j`, input of the next block.
     pub stream: Tensor<D>,
-    /// `X_k` for every `k` a later average still needs.
-    kept: Vec<Option<Tensor<D>>>,
-    /// Every `α` side by side (`[1, Σ |α_i|]`), fetched once per pass.
-    weights: Scales,
+    averages: Averages<D>,
+}
+
+/// How the averages are formed.
+#[derive(Debug, Clone)]
+enum Averages<const D: usize> {
+    /// From tensor ops.
+    Kept {
+        /// `X_k` for every `k` a later average still needs.
+        kept: Vec<Option<Tensor<D>>>,
+        /// Every `α` side by side (`[1, Σ |α_i|]`), fetched once per pass.
+        weights: Scales,
+    },
+    /// One fused op per average over the states `X_k`, state `k` at index `k` (Flex, with an
+    /// average after every block: `src/backend/history_mix.rs`).
+    Fused {
+        history: History,
+        /// `[1, α_1, α_2, …]` side by side, fetched once per pass (the 1 for `Y_0 = X_0`).
+        weights: Tensor<1>,
+    },
 }
 
 impl DenseFormer {
@@ -189,6 +208,28 @@ impl<const D: usize> StreamConnectivity<D> for DenseFormer {
     type State = DenseFormerState<D>;
 
     fn start(&self, input: Tensor<D>) -> DenseFormerState<D> {
+        // The fused op pushes each state as the newest of the first average over it: every
+        // block's own average does so for its `X_i`; `X_0` gets an average of its own, `Y_0 = X_0`.
+        if self.period == 1
+            && let Some(history) = fused_history(&input)
+        {
+            let one = Tensor::ones([1], &input.device());
+            let weights = Tensor::cat(
+                [one]
+                    .into_iter()
+                    .chain(self.alphas.iter().map(Param::val))
+                    .collect(),
+                0,
+            );
+            let stream = history.mix(Vec::new(), 0, weights.clone(), input);
+            if !self.needed_later(0, 0) {
+                history.forget(0);
+            }
+            return DenseFormerState {
+                stream,
+                averages: Averages::Fused { history, weights },
+            };
+        }
         let tracked = self
             .alphas
             .iter()
@@ -202,8 +243,7 @@ impl<const D: usize> StreamConnectivity<D> for DenseFormer {
         let kept = vec![self.needed_later(0, 0).then(|| input.clone())];
         DenseFormerState {
             stream: input,
-            kept,
-            weights,
+            averages: Averages::Kept { kept, weights },
         }
     }
 
@@ -213,35 +253,52 @@ impl<const D: usize> StreamConnectivity<D> for DenseFormer {
 
     fn step_with_tail(
         &self,
-        mut state: DenseFormerState<D>,
+        state: DenseFormerState<D>,
         block: usize,
         branch: Tensor<D>,
         tail: impl FnOnce(Tensor<D>) -> Tensor<D>,
     ) -> DenseFormerState<D> {
         let i = block + 1;
         let latest = tail(state.stream + branch);
-        state.stream = if self.averages_after(i) {
-            let offset = self.offset(i);
-            let first = i % self.dilation;
-            let earlier = (first..i).step_by(self.dilation).enumerate().map(|(t, k)| {
-                let kept = state.kept[k].clone().expect("kept for this average");
-                state.weights.scale(0, offset + t, kept)
-            });
-            let last = state
-                .weights
-                .scale(0, offset + i / self.dilation, latest.clone());
-            earlier.fold(last, |sum, term| sum + term)
-        } else {
-            latest.clone()
-        };
-        // Forget what no later average needs.
-        for (k, kept) in state.kept.iter_mut().enumerate() {
-            if kept.is_some() && !self.needed_later(k, i) {
-                *kept = None;
+        let first = i % self.dilation;
+        let (stream, averages) = match state.averages {
+            Averages::Fused { history, weights } => {
+                // α_i[t] (of X_{first + tδ}) at 1 + offset + t, after the leading 1.
+                let at = 1 + self.offset(i);
+                let earlier = (first..i).step_by(self.dilation).enumerate();
+                let terms = earlier.map(|(t, k)| (k, at + t)).collect();
+                let newest = at + i / self.dilation;
+                let stream = history.mix(terms, newest, weights.clone(), latest);
+                for k in (first..=i).step_by(self.dilation) {
+                    if !self.needed_later(k, i) {
+                        history.forget(k);
+                    }
+                }
+                (stream, Averages::Fused { history, weights })
             }
-        }
-        state.kept.push(self.needed_later(i, i).then_some(latest));
-        state
+            Averages::Kept { mut kept, weights } => {
+                let stream = if self.averages_after(i) {
+                    let offset = self.offset(i);
+                    let earlier = (first..i).step_by(self.dilation).enumerate().map(|(t, k)| {
+                        let state = kept[k].clone().expect("kept for this average");
+                        weights.scale(0, offset + t, state)
+                    });
+                    let last = weights.scale(0, offset + i / self.dilation, latest.clone());
+                    earlier.fold(last, |sum, term| sum + term)
+                } else {
+                    latest.clone()
+                };
+                // Forget what no later average needs.
+                for (k, state) in kept.iter_mut().enumerate() {
+                    if state.is_some() && !self.needed_later(k, i) {
+                        *state = None;
+                    }
+                }
+                kept.push(self.needed_later(i, i).then_some(latest));
+                (stream, Averages::Kept { kept, weights })
+            }
+        };
+        DenseFormerState { stream, averages }
     }
 
     fn output(&self, state: &DenseFormerState<D>) -> Tensor<D> {
@@ -371,22 +428,30 @@ mod tests {
         }
     }
 
+    /// The indices `k` of the states `X_k` a state holds.
+    fn kept(state: &DenseFormerState<3>) -> Vec<usize> {
+        match &state.averages {
+            Averages::Kept { kept, .. } => (0..kept.len()).filter(|&k| kept[k].is_some()).collect(),
+            Averages::Fused { history, .. } => history.kept_states(),
+        }
+    }
+
     #[test]
     fn only_states_a_later_average_needs_are_kept() {
         let device = Device::flex();
-        let stack = stack(2, 3, &device);
-        let state = stack.run(input(&device), 7, &()).unwrap();
-        assert!(
-            state.kept.iter().all(Option::is_none),
-            "nothing is needed after the last block"
-        );
-        // After block 4 of 7 with δ = 2, period 3: only the average after block 6 is left,
-        // over X_0, X_2, X_4 (X_6 does not exist yet).
-        let state = stack.run(input(&device), 4, &()).unwrap();
-        let kept: Vec<usize> = (0..state.kept.len())
-            .filter(|&k| state.kept[k].is_some())
-            .collect();
-        assert_eq!(kept, vec![0, 2, 4]);
+        // δ = 2, period 3 (tensor ops): after block 4 of 7 only the average after block 6 is
+        // left, over X_0, X_2, X_4 (X_6 does not exist yet). Period 1 (the fused op on Flex):
+        // the averages after blocks 5, 6 and 7 need X_0..X_4.
+        for (period, after_four) in [(3, vec![0, 2, 4]), (1, vec![0, 1, 2, 3, 4])] {
+            let stack = stack(2, period, &device);
+            let state = stack.run(input(&device), 7, &()).unwrap();
+            assert!(
+                kept(&state).is_empty(),
+                "nothing is needed after the last block"
+            );
+            let state = stack.run(input(&device), 4, &()).unwrap();
+            assert_eq!(kept(&state), after_four, "period {period}");
+        }
     }
 
     #[test]

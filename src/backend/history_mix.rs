@@ -386,8 +386,9 @@ impl<B: HistoryMixBackend, C: CheckpointStrategy> HistoryMixBackend for Autodiff
         weights: FloatTensor<Self>,
         newest: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
-        // Kept in the history rather than checkpointed: the backward reads the states of
-        // every mix, not only its parents.
+        // Compute-bound, so never recomputed: a second forward would push its state again.
+        // The backward reads its newest state and the gradients later mixes left in the
+        // history, kept there rather than checkpointed.
         match Mix
             .prepare::<C>([weights.node(), newest.node()])
             .compute_bound()

@@ -40,7 +40,7 @@ use burn::tensor::{DType, Shape, Tensor, TensorData};
 use burn_flex::{Flex, FlexTensor};
 use rayon::prelude::*;
 
-use super::flex_kernels::{Scalar, axpy, dot, values};
+use super::flex_kernels::{Scalar, axpy, dot};
 
 /// Elements per parallel task: a 16 kB (f32) slice of the output stays in L1 while every
 /// state's slice is added to it.
@@ -78,8 +78,9 @@ struct MixRecord {
     positions: Vec<usize>,
     /// Their weights.
     weights: Vec<f64>,
-    /// The length of `W`.
+    /// The length and float type of `W`.
     weight_count: usize,
+    weight_dtype: DType,
 }
 
 impl History {
@@ -207,8 +208,11 @@ fn forward<E: Scalar>(
         .copied()
         .chain([(index, newest_weight)])
         .unzip();
-    let all_weights = values::<E>(weights);
-    let weights: Vec<E> = positions.iter().map(|&k| all_weights[k]).collect();
+    // `W` may be of another float type than the states (parameters vs input).
+    let weight_dtype = weights.dtype();
+    let all_weights: Vec<f64> = weights.clone().into_data().iter::<f64>().collect();
+    let weights: Vec<f64> = positions.iter().map(|&k| all_weights[k]).collect();
+    let cast = |w: f64| E::from(w).expect("f32 or f64");
     let terms: Vec<(E, &[E])> = states
         .iter()
         .zip(&weights)
@@ -217,23 +221,20 @@ fn forward<E: Scalar>(
                 .as_ref()
                 .expect("history mix: state kept");
             assert_eq!(tensor.layout().shape(), &shape, "history mix: state shapes");
-            (weight, slice::<E>(tensor))
+            (cast(weight), slice::<E>(tensor))
         })
         .collect();
     let mut out = vec![E::zero(); shape.num_elements()];
     out.par_chunks_mut(ELEMENTS_PER_TASK)
         .enumerate()
         .for_each(|(task, out)| weighted_sum(out, &terms, task * ELEMENTS_PER_TASK));
-    let weights = weights
-        .iter()
-        .map(|&w| num_traits::ToPrimitive::to_f64(&w).expect("f32 or f64"))
-        .collect();
     let weight_count = all_weights.len();
     records.mixes.push(MixRecord {
         states,
         positions,
         weights,
         weight_count,
+        weight_dtype,
     });
     flex_tensor(out, shape)
 }
@@ -299,8 +300,8 @@ fn backward<E: Scalar>(
                 }
             }
             let count = sums.len();
-            let sums = sums.into_iter().map(|s| E::from(s).expect("f32 or f64"));
-            flex_tensor(sums.collect(), Shape::new([count]))
+            let data = TensorData::new(sums, [count]);
+            FlexTensor::from_data(data.convert_dtype(records.mixes[mix].weight_dtype))
         } else {
             placeholder::<E>()
         };

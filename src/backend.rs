@@ -187,7 +187,8 @@ impl History {
 
     pub(crate) fn mix<const D: usize>(
         &self,
-        _sources: Vec<usize>,
+        _terms: Vec<(usize, usize)>,
+        _newest_weight: usize,
         _weights: Tensor<1>,
         _newest: Tensor<D>,
     ) -> Tensor<D> {

@@ -8,6 +8,20 @@ use burn::prelude::*;
 
 use crate::error::{Error, Result};
 
+/// In a fused op's `Backward`: registers each computed gradient with its parent, where the
+/// parent is tracked (the parents' node type is private to burn-autodiff, hence a macro; `B` is
+/// the op's backend). Defined before the op modules, which use it.
+#[cfg(feature = "flex")]
+macro_rules! register_tracked {
+    ($grads:expr, $parents:expr, $computed:expr) => {
+        for (parent, grad) in $parents.into_iter().zip($computed) {
+            if let Some(parent) = parent {
+                $grads.register::<B>(parent.id, grad);
+            }
+        }
+    };
+}
+
 #[cfg(feature = "flex")]
 pub(crate) mod fft_conv;
 #[cfg(feature = "flex")]

@@ -315,11 +315,7 @@ impl<B: FftConvBackend> Backward<B, 2> for FftConv {
         let (nodes, start) = ops.state;
         let [signal, kernel] = nodes.map(|id| checkpointer.retrieve_node_output(id));
         let (grad_signal, grad_kernel) = B::fft_conv_1d_backward(signal, kernel, grad, start);
-        for (parent, grad) in ops.parents.into_iter().zip([grad_signal, grad_kernel]) {
-            if let Some(parent) = parent {
-                grads.register::<B>(parent.id, grad);
-            }
-        }
+        register_tracked!(grads, ops.parents, [grad_signal, grad_kernel]);
     }
 }
 

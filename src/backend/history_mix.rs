@@ -367,15 +367,9 @@ impl<B: HistoryMixBackend> Backward<B, 2> for Mix {
     ) {
         let grad = grads.consume::<B>(&ops.node);
         let (history, mix) = ops.state;
-        let [weights, newest] = ops.parents;
-        let wanted = [weights.is_some(), newest.is_some()];
-        let (grad_weights, grad_newest) = B::history_mix_backward(history, mix, grad, wanted);
-        if let Some(parent) = weights {
-            grads.register::<B>(parent.id, grad_weights);
-        }
-        if let Some(parent) = newest {
-            grads.register::<B>(parent.id, grad_newest);
-        }
+        let wanted = ops.parents.each_ref().map(Option::is_some);
+        let computed = B::history_mix_backward(history, mix, grad, wanted);
+        register_tracked!(grads, ops.parents, <[_; 2]>::from(computed));
     }
 }
 

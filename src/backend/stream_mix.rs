@@ -391,18 +391,6 @@ struct Mix;
 #[derive(Debug)]
 struct MixAdd;
 
-/// Registers each gradient with its parent, where the parent is tracked (the parents' node type
-/// is private to burn-autodiff, hence a macro).
-macro_rules! register {
-    ($grads:expr, $parents:expr, $computed:expr) => {
-        for (parent, grad) in $parents.into_iter().zip($computed) {
-            if let Some(parent) = parent {
-                $grads.register::<B>(parent.id, grad);
-            }
-        }
-    };
-}
-
 impl<B: StreamMixBackend> Backward<B, 2> for Mix {
     type State = [NodeId; 2];
 
@@ -415,7 +403,7 @@ impl<B: StreamMixBackend> Backward<B, 2> for Mix {
         let grad = grads.consume::<B>(&ops.node);
         let [weights, units] = ops.state.map(|id| checkpointer.retrieve_node_output(id));
         let (grad_weights, grad_units) = B::stream_mix_backward(weights, units, grad);
-        register!(grads, ops.parents, [grad_weights, grad_units]);
+        register_tracked!(grads, ops.parents, [grad_weights, grad_units]);
     }
 }
 
@@ -433,7 +421,7 @@ impl<B: StreamMixBackend> Backward<B, 4> for MixAdd {
             ops.state.map(|id| checkpointer.retrieve_node_output(id));
         let (grad_weights, grad_units, grad_beta, grad_branch) =
             B::stream_mix_add_backward(weights, units, beta, branch, grad);
-        register!(
+        register_tracked!(
             grads,
             ops.parents,
             [grad_weights, grad_units, grad_beta, grad_branch]

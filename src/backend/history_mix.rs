@@ -69,6 +69,8 @@ struct Records {
     grads: Vec<Option<FlexTensor>>,
     /// States are kept for a backward pass (autodiff) rather than forgotten when told.
     keep_states: bool,
+    /// The length and float type of `W` (the same vector for every mix).
+    weight_layout: Option<(usize, DType)>,
 }
 
 struct MixRecord {
@@ -78,9 +80,6 @@ struct MixRecord {
     positions: Vec<usize>,
     /// Their weights.
     weights: Vec<f64>,
-    /// The length and float type of `W`.
-    weight_count: usize,
-    weight_dtype: DType,
 }
 
 impl History {
@@ -209,7 +208,7 @@ fn forward<E: Scalar>(
         .chain([(index, newest_weight)])
         .unzip();
     // `W` may be of another float type than the states (parameters vs input).
-    let weight_dtype = weights.dtype();
+    let weights_dtype = weights.dtype();
     let all_weights: Vec<f64> = weights.clone().into_data().iter::<f64>().collect();
     let weights: Vec<f64> = positions.iter().map(|&k| all_weights[k]).collect();
     let cast = |w: f64| E::from(w).expect("f32 or f64");
@@ -228,13 +227,11 @@ fn forward<E: Scalar>(
     out.par_chunks_mut(ELEMENTS_PER_TASK)
         .enumerate()
         .for_each(|(task, out)| weighted_sum(out, &terms, task * ELEMENTS_PER_TASK));
-    let weight_count = all_weights.len();
+    records.weight_layout = Some((all_weights.len(), weights_dtype));
     records.mixes.push(MixRecord {
         states,
         positions,
         weights,
-        weight_count,
-        weight_dtype,
     });
     flex_tensor(out, shape)
 }
@@ -293,15 +290,14 @@ fn backward<E: Scalar>(
             })
             .collect();
         let grad_weights = if weights_wanted {
-            let mut sums = vec![0.0f64; records.mixes[mix].weight_count];
+            let (count, dtype) = records.weight_layout.expect("set by every mix");
+            let mut sums = vec![0.0f64; count];
             for task in &dots {
                 for (&(_, position, _), value) in contributions.iter().zip(task) {
                     sums[position] += num_traits::ToPrimitive::to_f64(value).expect("f32 or f64");
                 }
             }
-            let count = sums.len();
-            let data = TensorData::new(sums, [count]);
-            FlexTensor::from_data(data.convert_dtype(records.mixes[mix].weight_dtype))
+            FlexTensor::from_data(TensorData::new(sums, [count]).convert_dtype(dtype))
         } else {
             placeholder::<E>()
         };

@@ -32,6 +32,8 @@ pub(crate) mod gelu;
 mod history_mix;
 #[cfg(feature = "flex")]
 pub(crate) use history_mix::History;
+#[cfg(feature = "flex")]
+pub(crate) mod normed_projection;
 #[cfg(any(feature = "cube-kernels", feature = "flex"))]
 pub(crate) mod sinkhorn;
 #[cfg(feature = "flex")]

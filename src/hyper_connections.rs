@@ -38,7 +38,7 @@ use burn::prelude::*;
 
 use crate::connectivity::ConnectivityConfig;
 use crate::error::{Error, Result, check_size};
-use crate::multi_stream::{self, Layout, Mixing, MixingLayer, StreamReduce};
+use crate::multi_stream::{self, Layout, Mixing, MixingLayer, RowScale, StreamReduce};
 
 /// Configuration of [`HyperConnections`].
 #[derive(Config, Debug)]
@@ -174,12 +174,9 @@ impl HcLayer {
         };
         let [tokens, _, width] = units.dims();
         // N W = (S ⊙ (1 + γ)) W · √w / ‖S‖ = S (diag(1 + γ) W) · √w / ‖S‖: the gain goes into
-        // the small weight matrix and the norm scales the small product, so the only full-size
-        // work is the product itself and the sum of squares.
+        // the small weight matrix, and one product serves both: [w, V+U] and [w, 1] side by side.
         let rows = units.clone().reshape([tokens * count, width]);
-        let norm = rows.clone().square().sum_dim(1).sqrt().clamp_min(1e-12);
         let gain = dynamic.norm_gamma.val().add_scalar(1.0).reshape([width, 1]);
-        // One product for both: [w, V+U] and [w, 1] side by side.
         let weights = Tensor::cat(
             vec![
                 dynamic.dynamic_alpha_fn.val(),
@@ -187,7 +184,12 @@ impl HcLayer {
             ],
             1,
         ) * gain;
-        let mut projected = rows.matmul(weights) / norm * (width as f64).sqrt();
+        let scale = RowScale {
+            numerator: (width as f64).sqrt(),
+            offset: 0.0,
+            floor: 1e-12,
+        };
+        let mut projected = multi_stream::normed_projection(rows, weights, scale);
         if tanh {
             projected = projected.tanh();
         }

@@ -39,7 +39,9 @@ use burn::tensor::activation::{sigmoid, softmax};
 
 use crate::connectivity::ConnectivityConfig;
 use crate::error::{Error, Result, check_depth, check_non_negative, check_size};
-use crate::multi_stream::{self, Layout, Mixing, MixingLayer, MultiStreamState, StreamReduce};
+use crate::multi_stream::{
+    self, Layout, Mixing, MixingLayer, MultiStreamState, RowScale, StreamReduce,
+};
 
 /// The `ε` of mHC and of its Sinkhorn-Knopp normalisation.
 pub const MHC_EPS: f64 = 1e-6;
@@ -219,7 +221,13 @@ impl MhcLayer {
     pub fn connections(&self, streams: &Tensor<3>, iterations: usize) -> MhcConnections {
         let [tokens, n, width] = streams.dims();
         let flat = streams.clone().reshape([tokens, n * width]);
-        let rms = flat.clone().square().mean_dim(1).sqrt();
+        // 1 / (‖x‖/√N + ε) = √N / (‖x‖ + ε√N).
+        let root = ((n * width) as f64).sqrt();
+        let scale_rows = RowScale {
+            numerator: root,
+            offset: MHC_EPS * root,
+            floor: 0.0,
+        };
         let scale = Tensor::cat(
             vec![
                 self.alpha_pre.val().expand([n]),
@@ -229,7 +237,7 @@ impl MhcLayer {
             0,
         )
         .unsqueeze::<2>();
-        let mixed = flat.matmul(self.phi.val()) / rms.add_scalar(MHC_EPS) * scale
+        let mixed = multi_stream::normed_projection(flat, self.phi.val(), scale_rows) * scale
             + self.bias.val().unsqueeze::<2>();
         let pre = sigmoid(mixed.clone().narrow(1, 0, n)).add_scalar(MHC_EPS);
         let post = sigmoid(mixed.clone().narrow(1, n, n)).mul_scalar(2.0);

@@ -198,6 +198,45 @@ pub(crate) fn composed_mix(
     .reshape([tokens, rows, width])
 }
 
+/// The row scale `s(n) = a / max(n + b, f)` of a row of norm `n`, in [`normed_projection`].
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct RowScale {
+    /// `a`.
+    pub numerator: f64,
+    /// `b`.
+    pub offset: f64,
+    /// `f`.
+    pub floor: f64,
+}
+
+/// `P_r = s(‖x_r‖₂) · x_r W` for `rows [R, w]` and `weights [w, C]`: the projection of
+/// row-normalised units that starts the token-dependent connections of hyper-connections
+/// (`s = √w / max(n, 1e-12)`) and mHC (`s = 1 / (n/√N + ε)`). One fused op with its own
+/// backward on Flex ([`crate::backend::normed_projection`]), tensor ops elsewhere.
+pub(crate) fn normed_projection(rows: Tensor<2>, weights: Tensor<2>, scale: RowScale) -> Tensor<2> {
+    #[cfg(feature = "flex")]
+    if crate::backend::is_flex(&rows.device()) && crate::backend::flex_fused_dtype(rows.dtype()) {
+        return crate::backend::normed_projection::fused_normed_projection(rows, weights, scale);
+    }
+    composed_normed_projection(rows, weights, scale)
+}
+
+/// [`normed_projection`] from tensor ops.
+pub(crate) fn composed_normed_projection(
+    rows: Tensor<2>,
+    weights: Tensor<2>,
+    scale: RowScale,
+) -> Tensor<2> {
+    let mut denominator = rows.clone().square().sum_dim(1).sqrt();
+    if scale.offset != 0.0 {
+        denominator = denominator.add_scalar(scale.offset);
+    }
+    if scale.floor != 0.0 {
+        denominator = denominator.clamp_min(scale.floor);
+    }
+    rows.matmul(weights) / denominator * scale.numerator
+}
+
 /// The input of the next block; `None` after the last block.
 pub(crate) fn block_input<const D: usize>(state: &MultiStreamState<D>) -> Option<Tensor<D>> {
     state.next.as_ref().map(|prepared| prepared.input.clone())

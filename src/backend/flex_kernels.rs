@@ -6,14 +6,45 @@ use std::borrow::Cow;
 use burn::tensor::TensorData;
 use burn_flex::FlexTensor;
 
-/// The scalar types the CPU ops run on (f32 and f64).
+/// The scalar types the CPU ops run on (f32 and f64), with their two inner loops: portable
+/// ones, and for f32 on x86-64 CPUs with AVX2 and FMA (which the crate's baseline target,
+/// SSE2, lacks) hand-vectorised ones ([`avx2`]).
 pub(crate) trait Scalar:
     burn::tensor::Element + bytemuck::Pod + num_traits::Float + std::ops::AddAssign + Send + Sync
 {
+    /// `Σ_k a_k b_k`.
+    fn dot(a: &[Self], b: &[Self]) -> Self {
+        portable_dot(a, b)
+    }
+
+    /// `out += c x`.
+    fn axpy(out: &mut [Self], c: Self, x: &[Self]) {
+        portable_axpy(out, c, x);
+    }
 }
 
-impl Scalar for f32 {}
 impl Scalar for f64 {}
+
+impl Scalar for f32 {
+    fn dot(a: &[f32], b: &[f32]) -> f32 {
+        #[cfg(target_arch = "x86_64")]
+        if avx2::available() {
+            // SAFETY: the CPU has AVX2 and FMA.
+            return unsafe { avx2::dot(a, b) };
+        }
+        portable_dot(a, b)
+    }
+
+    fn axpy(out: &mut [f32], c: f32, x: &[f32]) {
+        #[cfg(target_arch = "x86_64")]
+        if avx2::available() {
+            // SAFETY: the CPU has AVX2 and FMA.
+            unsafe { avx2::axpy(out, c, x) };
+            return;
+        }
+        portable_axpy(out, c, x);
+    }
+}
 
 /// The shape of a Flex tensor of rank `D`.
 pub(crate) fn dims<const D: usize>(tensor: &FlexTensor) -> [usize; D] {
@@ -39,8 +70,18 @@ pub(crate) fn tensor<E: Scalar, const D: usize>(values: Vec<E>, shape: [usize; D
     FlexTensor::from_data(TensorData::new(values, shape))
 }
 
-/// `Σ_k a_k b_k` with eight independent sums, so the compiler can vectorise it.
+/// `Σ_k a_k b_k` over the shorter of `a` and `b` ([`Scalar::dot`]).
 pub(crate) fn dot<E: Scalar>(a: &[E], b: &[E]) -> E {
+    E::dot(a, b)
+}
+
+/// `out += c x` over the shorter of `out` and `x` ([`Scalar::axpy`]).
+pub(crate) fn axpy<E: Scalar>(out: &mut [E], c: E, x: &[E]) {
+    E::axpy(out, c, x);
+}
+
+/// `Σ_k a_k b_k` with eight independent sums, so the compiler can vectorise it.
+fn portable_dot<E: Scalar>(a: &[E], b: &[E]) -> E {
     let mut lanes = [E::zero(); 8];
     let (a_chunks, b_chunks) = (a.chunks_exact(8), b.chunks_exact(8));
     let (a_rest, b_rest) = (a_chunks.remainder(), b_chunks.remainder());
@@ -57,8 +98,119 @@ pub(crate) fn dot<E: Scalar>(a: &[E], b: &[E]) -> E {
 }
 
 /// `out += c x`.
-pub(crate) fn axpy<E: Scalar>(out: &mut [E], c: E, x: &[E]) {
+fn portable_axpy<E: Scalar>(out: &mut [E], c: E, x: &[E]) {
     for (o, &v) in out.iter_mut().zip(x) {
         *o += c * v;
+    }
+}
+
+/// The f32 loops with AVX2 and FMA intrinsics: eight lanes per register, the remainder in
+/// scalar code. Callers check [`available`] first.
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod avx2 {
+    use std::arch::x86_64::*;
+
+    /// Whether the CPU has AVX2 and FMA (detected once, then a cached load).
+    pub(crate) fn available() -> bool {
+        std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+    }
+
+    /// The sum of the eight lanes of `v`.
+    #[target_feature(enable = "avx2,fma")]
+    pub(crate) fn total(v: __m256) -> f32 {
+        let half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+        let pairs = _mm_add_ps(half, _mm_movehl_ps(half, half));
+        _mm_cvtss_f32(_mm_add_ss(pairs, _mm_shuffle_ps::<1>(pairs, pairs)))
+    }
+
+    /// Eight lanes of `values` from `k` (`k + 8 <= values.len()`).
+    #[target_feature(enable = "avx2,fma")]
+    pub(crate) fn load(values: &[f32], k: usize) -> __m256 {
+        assert!(k + 8 <= values.len());
+        // SAFETY: the eight lanes are inside `values` (checked above).
+        unsafe { _mm256_loadu_ps(values.as_ptr().add(k)) }
+    }
+
+    /// Stores eight lanes into `values` from `k` (`k + 8 <= values.len()`).
+    #[target_feature(enable = "avx2,fma")]
+    pub(crate) fn store(values: &mut [f32], k: usize, v: __m256) {
+        assert!(k + 8 <= values.len());
+        // SAFETY: the eight lanes are inside `values` (checked above).
+        unsafe { _mm256_storeu_ps(values.as_mut_ptr().add(k), v) }
+    }
+
+    /// `Σ_k a_k b_k` (two sums of eight lanes, so that two FMAs are in flight).
+    #[target_feature(enable = "avx2,fma")]
+    pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
+        let len = a.len().min(b.len());
+        let split = len / 8 * 8;
+        let (mut even, mut odd) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+        let mut k = 0;
+        while k + 16 <= split {
+            even = _mm256_fmadd_ps(load(a, k), load(b, k), even);
+            odd = _mm256_fmadd_ps(load(a, k + 8), load(b, k + 8), odd);
+            k += 16;
+        }
+        if k < split {
+            even = _mm256_fmadd_ps(load(a, k), load(b, k), even);
+        }
+        let mut sum = total(_mm256_add_ps(even, odd));
+        for k in split..len {
+            sum += a[k] * b[k];
+        }
+        sum
+    }
+
+    /// `out += c x`.
+    #[target_feature(enable = "avx2,fma")]
+    pub(crate) fn axpy(out: &mut [f32], c: f32, x: &[f32]) {
+        let len = out.len().min(x.len());
+        let split = len / 8 * 8;
+        let scale = _mm256_set1_ps(c);
+        for k in (0..split).step_by(8) {
+            let sum = _mm256_fmadd_ps(scale, load(x, k), load(out, k));
+            store(out, k, sum);
+        }
+        for k in split..len {
+            out[k] += c * x[k];
+        }
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+
+    /// Values in [-1, 1) from a fixed linear congruential sequence.
+    pub(crate) fn sequence(len: usize, seed: u64) -> Vec<f32> {
+        let mut state = seed;
+        (0..len)
+            .map(|_| {
+                state = state
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                (state >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+            })
+            .collect()
+    }
+
+    /// The f32 loops the CPU runs (AVX2 where it has it) against the portable ones, for
+    /// lengths around the lanes' multiples.
+    #[test]
+    fn f32_loops_match_the_portable_ones() {
+        for len in [0, 1, 7, 8, 15, 16, 17, 24, 255, 256, 1000] {
+            let (a, b) = (sequence(len, 1), sequence(len, 2));
+            let (fast, portable) = (dot(&a, &b), portable_dot(&a, &b));
+            assert!(
+                (fast - portable).abs() <= 1e-4 * (1.0 + portable.abs()),
+                "dot, {len}"
+            );
+            let (mut fast, mut portable) = (a.clone(), a.clone());
+            axpy(&mut fast, 0.37, &b);
+            portable_axpy(&mut portable, 0.37, &b);
+            for (fast, portable) in fast.iter().zip(&portable) {
+                assert!((fast - portable).abs() <= 1e-6, "axpy, {len}");
+            }
+        }
     }
 }

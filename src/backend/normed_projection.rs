@@ -1,0 +1,643 @@
+//! The token-dependent connections' first step in hyper-connections and mHC, a projection of
+//! row-normalised units, as one fused CPU op on Flex with its own backward.
+//!
+//! For rows `x_r` (`[R, w]`), a small weight matrix `W` (`[w, C]`) and a row scale
+//! `s(n) = a / max(n + b, f)` of the row norm `n_r = ‖x_r‖₂`:
+//!
+//! ```text
+//! P_r  = s(n_r) · x_r W                                             ([R, C])
+//! ∂W   = Σ_r s(n_r) x_rᵀ ∂P_r
+//! ∂x_r = s(n_r) W ∂P_rᵀ + s'(n_r) / n_r · (x_r W · ∂P_r) x_r        (s' = −s / (n + b) where n + b > f, else 0)
+//! ```
+//!
+//! Hyper-connections' RMSNorm is `a = √w, b = 0, f = 1e-12`; mHC's `1 / (‖x‖/√N + ε)` is
+//! `a = √N, b = ε√N, f = 0`. Composed from tensor ops this is a full-size square, a sum, and a
+//! skinny matrix product (`C` ≤ 24 columns) whose input gradient is a full-size product of
+//! inner dimension `C`, each a pass over the units, plus a full-size gradient for the square
+//! and one more accumulation into the units' gradient. Here the forward reads the rows once,
+//! and the backward reads them once and writes their gradient once, `∂W` summed on the way.
+//! Flex only (f32 and f64).
+
+use burn::backend::autodiff::checkpoint::base::Checkpointer;
+use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
+use burn::backend::autodiff::grads::Gradients;
+use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
+use burn::backend::autodiff::{Autodiff, NodeId};
+use burn::backend::tensor::FloatTensor;
+use burn::backend::{Backend, Dispatch, backend_extension};
+use burn::tensor::{DType, Tensor};
+use burn_flex::{Flex, FlexTensor};
+use rayon::prelude::*;
+
+use super::flex_kernels::{Scalar, axpy, dims, dot, tensor, values};
+use crate::multi_stream::RowScale;
+
+/// Rows per parallel task.
+const ROWS_PER_TASK: usize = 32;
+
+impl RowScale {
+    /// `s(n)` and `s'(n) / n` (0 where `s` is flat, and for a zero row, whose term vanishes).
+    fn at(self, norm: f64) -> (f64, f64) {
+        let denominator = norm + self.offset;
+        if denominator > self.floor {
+            let scale = self.numerator / denominator;
+            let slope = if norm > 0.0 {
+                -scale / denominator / norm
+            } else {
+                0.0
+            };
+            (scale, slope)
+        } else {
+            (self.numerator / self.floor, 0.0)
+        }
+    }
+}
+
+/// The fused normalised projection (see the [module docs](self)).
+#[backend_extension(Flex: cfg(feature = "flex"), Autodiff)]
+pub(crate) trait NormedProjectionBackend: Backend {
+    /// `P = s(‖x_r‖) x_r W` for `rows [R, w]`, `weights [w, C]`; `[R, C]`.
+    fn normed_projection(
+        rows: FloatTensor<Self>,
+        weights: FloatTensor<Self>,
+        scale: RowScale,
+    ) -> FloatTensor<Self>;
+
+    /// The gradients of `rows` and `weights`, given the output `projection` and its gradient.
+    fn normed_projection_backward(
+        rows: FloatTensor<Self>,
+        weights: FloatTensor<Self>,
+        projection: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        scale: RowScale,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>);
+}
+
+/// `s(‖x_r‖) x_r W` through the fused op; only for Flex devices in f32 or f64.
+pub(crate) fn fused_normed_projection(
+    rows: Tensor<2>,
+    weights: Tensor<2>,
+    scale: RowScale,
+) -> Tensor<2> {
+    Tensor::from_dispatch(<Dispatch as NormedProjectionBackend>::normed_projection(
+        rows.into_dispatch(),
+        weights.into_dispatch(),
+        scale,
+    ))
+}
+
+/// `Wᵀ` (`[C, w]`, contiguous), so that each column of `W` is a contiguous row.
+fn transposed<E: Scalar>(weights: &FlexTensor) -> (Vec<E>, usize) {
+    let [width, columns] = dims::<2>(weights);
+    let w = values::<E>(weights);
+    let mut wt = vec![E::zero(); columns * width];
+    for (k, row) in w.chunks_exact(columns).enumerate() {
+        for (c, &value) in row.iter().enumerate() {
+            wt[c * width + k] = value;
+        }
+    }
+    (wt, columns)
+}
+
+fn f64_of<E: Scalar>(value: E) -> f64 {
+    num_traits::ToPrimitive::to_f64(&value).expect("f32 or f64")
+}
+
+fn scalar<E: Scalar>(value: f64) -> E {
+    E::from(value).expect("f32 or f64")
+}
+
+/// The forward of one task's rows `x` (`[r, w]`) into `out` (`[r, C]`), portable.
+fn forward_rows<E: Scalar>(x: &[E], wt: &[E], width: usize, scale: RowScale, out: &mut [E]) {
+    let columns = wt.len() / width;
+    for (out, x) in out.chunks_exact_mut(columns).zip(x.chunks_exact(width)) {
+        let s = scalar::<E>(scale.at(f64_of(dot(x, x)).sqrt()).0);
+        for (out, row) in out.iter_mut().zip(wt.chunks_exact(width)) {
+            *out = s * dot(x, row);
+        }
+    }
+}
+
+/// The backward of one task's rows, portable: `∂x` into `grad_x` (`[r, w]`), `∂Wᵀ` added to
+/// `grad_wt` (`[C, w]`); `scaled` is scratch space for `s_r ∂P_r` (`[r, C]`).
+#[allow(clippy::too_many_arguments)]
+fn backward_rows<E: Scalar>(
+    x: &[E],
+    wt: &[E],
+    width: usize,
+    (p, g): (&[E], &[E]),
+    scale: RowScale,
+    grad_x: &mut [E],
+    grad_wt: &mut [E],
+    scaled: &mut [E],
+) {
+    let columns = wt.len() / width;
+    let rows = grad_x
+        .chunks_exact_mut(width)
+        .zip(x.chunks_exact(width))
+        .zip(p.chunks_exact(columns).zip(g.chunks_exact(columns)))
+        .zip(scaled.chunks_exact_mut(columns));
+    for (((grad_x, x), (p, g)), scaled) in rows {
+        let (s, slope) = scale.at(f64_of(dot(x, x)).sqrt());
+        // x W · ∂P = (P · ∂P) / s.
+        let coefficient = scalar::<E>(slope * f64_of(dot(p, g)) / s);
+        for (grad_x, &x) in grad_x.iter_mut().zip(x) {
+            *grad_x = coefficient * x;
+        }
+        for ((scaled, &g), (row, grad_row)) in scaled
+            .iter_mut()
+            .zip(g)
+            .zip(wt.chunks_exact(width).zip(grad_wt.chunks_exact_mut(width)))
+        {
+            *scaled = scalar::<E>(s) * g;
+            axpy(grad_x, *scaled, row);
+            axpy(grad_row, *scaled, x);
+        }
+    }
+}
+
+/// The row loops of one task, for each float type: the portable loops above, and for f32 on
+/// x86-64 CPUs with AVX2 and FMA hand-vectorised ones ([`avx2`]).
+trait RowKernels: Scalar {
+    fn forward_rows(x: &[Self], wt: &[Self], width: usize, scale: RowScale, out: &mut [Self]) {
+        forward_rows(x, wt, width, scale, out);
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn backward_rows(
+        x: &[Self],
+        wt: &[Self],
+        width: usize,
+        pg: (&[Self], &[Self]),
+        scale: RowScale,
+        grad_x: &mut [Self],
+        grad_wt: &mut [Self],
+        scaled: &mut [Self],
+    ) {
+        backward_rows(x, wt, width, pg, scale, grad_x, grad_wt, scaled);
+    }
+}
+
+impl RowKernels for f64 {}
+
+impl RowKernels for f32 {
+    fn forward_rows(x: &[f32], wt: &[f32], width: usize, scale: RowScale, out: &mut [f32]) {
+        #[cfg(target_arch = "x86_64")]
+        if crate::backend::flex_kernels::avx2::available() {
+            // SAFETY: the CPU has AVX2 and FMA.
+            unsafe { avx2::forward_rows(x, wt, width, scale, out) };
+            return;
+        }
+        forward_rows(x, wt, width, scale, out);
+    }
+
+    fn backward_rows(
+        x: &[f32],
+        wt: &[f32],
+        width: usize,
+        pg: (&[f32], &[f32]),
+        scale: RowScale,
+        grad_x: &mut [f32],
+        grad_wt: &mut [f32],
+        scaled: &mut [f32],
+    ) {
+        #[cfg(target_arch = "x86_64")]
+        if crate::backend::flex_kernels::avx2::available() {
+            // SAFETY: the CPU has AVX2 and FMA.
+            unsafe { avx2::backward_rows(x, wt, width, pg, scale, grad_x, grad_wt, scaled) };
+            return;
+        }
+        backward_rows(x, wt, width, pg, scale, grad_x, grad_wt, scaled);
+    }
+}
+
+/// The f32 row loops with AVX2 and FMA intrinsics (see [`flex_kernels::avx2`]).
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use std::arch::x86_64::*;
+
+    use super::RowScale;
+    use crate::backend::flex_kernels::avx2::{dot, load, store, total};
+
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) fn forward_rows(
+        x: &[f32],
+        wt: &[f32],
+        width: usize,
+        scale: RowScale,
+        out: &mut [f32],
+    ) {
+        let columns = wt.len() / width;
+        let split = width / 8 * 8;
+        for (out, x) in out.chunks_exact_mut(columns).zip(x.chunks_exact(width)) {
+            let (s, _) = scale.at(f64::from(dot(x, x)).sqrt());
+            let s = s as f32;
+            let mut c = 0;
+            // Four columns at a time: each chunk of x is loaded once for four FMAs.
+            while c + 4 <= columns {
+                let rows = [0, 1, 2, 3].map(|j| &wt[(c + j) * width..][..width]);
+                let mut sums = [_mm256_setzero_ps(); 4];
+                for k in (0..split).step_by(8) {
+                    let v = load(x, k);
+                    for (sum, row) in sums.iter_mut().zip(rows) {
+                        *sum = _mm256_fmadd_ps(v, load(row, k), *sum);
+                    }
+                }
+                for (j, (sum, row)) in sums.into_iter().zip(rows).enumerate() {
+                    let tail: f32 = (split..width).map(|k| x[k] * row[k]).sum();
+                    out[c + j] = s * (total(sum) + tail);
+                }
+                c += 4;
+            }
+            for c in c..columns {
+                out[c] = s * dot(x, &wt[c * width..][..width]);
+            }
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) fn backward_rows(
+        x: &[f32],
+        wt: &[f32],
+        width: usize,
+        (p, g): (&[f32], &[f32]),
+        scale: RowScale,
+        grad_x: &mut [f32],
+        grad_wt: &mut [f32],
+        scaled: &mut [f32],
+    ) {
+        let columns = wt.len() / width;
+        let row_count = x.len() / width;
+        let split = width / 8 * 8;
+        for r in 0..row_count {
+            let x = &x[r * width..][..width];
+            let (p, g) = (&p[r * columns..][..columns], &g[r * columns..][..columns]);
+            let (s, slope) = scale.at(f64::from(dot(x, x)).sqrt());
+            // x W · ∂P = (P · ∂P) / s.
+            let along: f64 = p.iter().zip(g).map(|(&p, &g)| f64::from(p * g)).sum();
+            let coefficient = (slope * along / s) as f32;
+            let scaled = &mut scaled[r * columns..][..columns];
+            for (scaled, &g) in scaled.iter_mut().zip(g) {
+                *scaled = s as f32 * g;
+            }
+            // ∂x = coefficient · x + Σ_c (s ∂P_c) Wᵀ_c, eight lanes at a time.
+            let grad_x = &mut grad_x[r * width..][..width];
+            for k in (0..split).step_by(8) {
+                let mut sum = _mm256_mul_ps(_mm256_set1_ps(coefficient), load(x, k));
+                for (c, &sg) in scaled.iter().enumerate() {
+                    sum = _mm256_fmadd_ps(_mm256_set1_ps(sg), load(wt, c * width + k), sum);
+                }
+                store(grad_x, k, sum);
+            }
+            for k in split..width {
+                grad_x[k] = coefficient * x[k];
+                for (c, &sg) in scaled.iter().enumerate() {
+                    grad_x[k] += sg * wt[c * width + k];
+                }
+            }
+        }
+        // ∂Wᵀ_c += Σ_r (s_r ∂P_rc) x_r: four columns at a time, the rows innermost.
+        let mut c = 0;
+        while c < columns {
+            let block = (columns - c).min(4);
+            for k in (0..split).step_by(8) {
+                let mut sums = [_mm256_setzero_ps(); 4];
+                for r in 0..row_count {
+                    let v = load(x, r * width + k);
+                    for (j, sum) in sums.iter_mut().enumerate().take(block) {
+                        let sg = _mm256_set1_ps(scaled[r * columns + c + j]);
+                        *sum = _mm256_fmadd_ps(sg, v, *sum);
+                    }
+                }
+                for (j, sum) in sums.iter().enumerate().take(block) {
+                    let at = (c + j) * width + k;
+                    store(grad_wt, at, _mm256_add_ps(load(grad_wt, at), *sum));
+                }
+            }
+            for k in split..width {
+                for j in 0..block {
+                    for r in 0..row_count {
+                        grad_wt[(c + j) * width + k] +=
+                            scaled[r * columns + c + j] * x[r * width + k];
+                    }
+                }
+            }
+            c += block;
+        }
+    }
+}
+
+fn forward<E: RowKernels>(rows: &FlexTensor, weights: &FlexTensor, scale: RowScale) -> FlexTensor {
+    let [count, width] = dims::<2>(rows);
+    assert_eq!(
+        dims::<2>(weights)[0],
+        width,
+        "normed projection: weights and rows disagree"
+    );
+    let (wt, columns) = transposed::<E>(weights);
+    let x = values::<E>(rows);
+    let mut out = vec![E::zero(); count * columns];
+    if columns > 0 && width > 0 {
+        out.par_chunks_mut(ROWS_PER_TASK * columns)
+            .zip(x.par_chunks(ROWS_PER_TASK * width))
+            .for_each(|(out, x)| {
+                E::forward_rows(x, &wt, width, scale, out);
+            });
+    }
+    tensor(out, [count, columns])
+}
+
+fn backward<E: RowKernels>(
+    rows: &FlexTensor,
+    weights: &FlexTensor,
+    projection: &FlexTensor,
+    grad: &FlexTensor,
+    scale: RowScale,
+) -> (FlexTensor, FlexTensor) {
+    let [count, width] = dims::<2>(rows);
+    let (wt, columns) = transposed::<E>(weights);
+    let (x, p, g) = (
+        values::<E>(rows),
+        values::<E>(projection),
+        values::<E>(grad),
+    );
+    let mut grad_rows = vec![E::zero(); count * width];
+    let grad_wt = if columns == 0 || width == 0 {
+        vec![E::zero(); columns * width]
+    } else {
+        grad_rows
+            .par_chunks_mut(ROWS_PER_TASK * width)
+            .zip(x.par_chunks(ROWS_PER_TASK * width))
+            .zip(p.par_chunks(ROWS_PER_TASK * columns))
+            .zip(g.par_chunks(ROWS_PER_TASK * columns))
+            .fold(
+                || vec![E::zero(); columns * width],
+                |mut grad_wt, (((grad_x, x), p), g)| {
+                    let mut scaled = vec![E::zero(); p.len()];
+                    E::backward_rows(
+                        x,
+                        &wt,
+                        width,
+                        (p, g),
+                        scale,
+                        grad_x,
+                        &mut grad_wt,
+                        &mut scaled,
+                    );
+                    grad_wt
+                },
+            )
+            .reduce(
+                || vec![E::zero(); columns * width],
+                |mut total, part| {
+                    total.iter_mut().zip(&part).for_each(|(t, &v)| *t += v);
+                    total
+                },
+            )
+    };
+    let mut grad_weights = vec![E::zero(); width * columns];
+    for (c, row) in grad_wt.chunks_exact(width.max(1)).enumerate() {
+        for (k, &value) in row.iter().enumerate() {
+            grad_weights[k * columns + c] = value;
+        }
+    }
+    (
+        tensor(grad_rows, [count, width]),
+        tensor(grad_weights, [width, columns]),
+    )
+}
+
+impl NormedProjectionBackend for Flex {
+    fn normed_projection(rows: FlexTensor, weights: FlexTensor, scale: RowScale) -> FlexTensor {
+        match rows.dtype() {
+            DType::F32 => forward::<f32>(&rows, &weights, scale),
+            DType::F64 => forward::<f64>(&rows, &weights, scale),
+            other => panic!("normed projection: unsupported dtype {other:?}"),
+        }
+    }
+
+    fn normed_projection_backward(
+        rows: FlexTensor,
+        weights: FlexTensor,
+        projection: FlexTensor,
+        grad: FlexTensor,
+        scale: RowScale,
+    ) -> (FlexTensor, FlexTensor) {
+        match rows.dtype() {
+            DType::F32 => backward::<f32>(&rows, &weights, &projection, &grad, scale),
+            DType::F64 => backward::<f64>(&rows, &weights, &projection, &grad, scale),
+            other => panic!("normed projection: unsupported dtype {other:?}"),
+        }
+    }
+}
+
+/// `s(‖x_r‖) x_r W`: parents `[x, W]`; the state keeps both and the (small) output.
+#[derive(Debug)]
+struct NormedProjection;
+
+impl<B: NormedProjectionBackend> Backward<B, 2> for NormedProjection {
+    type State = ([NodeId; 2], FloatTensor<B>, RowScale);
+
+    fn backward(
+        self,
+        ops: Ops<Self::State, 2>,
+        grads: &mut Gradients,
+        checkpointer: &mut Checkpointer,
+    ) {
+        let grad = grads.consume::<B>(&ops.node);
+        let (nodes, projection, scale) = ops.state;
+        let [rows, weights] = nodes.map(|id| checkpointer.retrieve_node_output(id));
+        let (grad_rows, grad_weights) =
+            B::normed_projection_backward(rows, weights, projection, grad, scale);
+        register_tracked!(grads, ops.parents, [grad_rows, grad_weights]);
+    }
+}
+
+impl<B: NormedProjectionBackend, C: CheckpointStrategy> NormedProjectionBackend for Autodiff<B, C> {
+    fn normed_projection(
+        rows: FloatTensor<Self>,
+        weights: FloatTensor<Self>,
+        scale: RowScale,
+    ) -> FloatTensor<Self> {
+        match NormedProjection
+            .prepare::<C>([rows.node(), weights.node()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(mut prep) => {
+                let nodes = [prep.checkpoint(&rows), prep.checkpoint(&weights)];
+                let output =
+                    B::normed_projection(rows.into_primitive(), weights.into_primitive(), scale);
+                prep.finish((nodes, output.clone(), scale), output)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(B::normed_projection(
+                rows.into_primitive(),
+                weights.into_primitive(),
+                scale,
+            )),
+        }
+    }
+
+    fn normed_projection_backward(
+        rows: FloatTensor<Self>,
+        weights: FloatTensor<Self>,
+        projection: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        scale: RowScale,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        // First-order only: the gradients are constants to the graph.
+        let (grad_rows, grad_weights) = B::normed_projection_backward(
+            rows.into_primitive(),
+            weights.into_primitive(),
+            projection.into_primitive(),
+            grad.into_primitive(),
+            scale,
+        );
+        let constant = <Self as burn::backend::AutodiffBackend>::from_inner;
+        (constant(grad_rows), constant(grad_weights))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use burn::prelude::*;
+    use burn::tensor::{Distribution, FloatDType, Tolerance};
+
+    use super::fused_normed_projection;
+    use crate::multi_stream::{RowScale, composed_normed_projection};
+
+    /// The fused op against the composed tensor ops on Flex, forward and both gradients, in f32
+    /// and f64: both row scales (HC's floor, mHC's offset), column counts around the blocks of
+    /// four, widths that do not fill the lanes, row counts that do not fill the last task, rows
+    /// of very different norms, and rows handed over transposed (not contiguous).
+    #[test]
+    fn fused_op_matches_the_composed_operations() {
+        let device = Device::flex().autodiff();
+        let hc = |width: usize| RowScale {
+            numerator: (width as f64).sqrt(),
+            offset: 0.0,
+            floor: 1e-12,
+        };
+        let mhc = |width: usize| RowScale {
+            numerator: (width as f64).sqrt(),
+            offset: 1e-6 * (width as f64).sqrt(),
+            floor: 0.0,
+        };
+        for dtype in [FloatDType::F32, FloatDType::F64] {
+            for (count, width, columns, transposed, scale) in [
+                (70, 24, 6, false, hc(24)),
+                (33, 37, 24, false, mhc(37)),
+                (5, 8, 1, true, hc(8)),
+                (40, 10, 7, true, mhc(10)),
+                (1, 3, 4, false, hc(3)),
+            ] {
+                let random = |shape: [usize; 2]| {
+                    Tensor::<2>::random(shape, Distribution::Normal(0.0, 1.0), &device).cast(dtype)
+                };
+                // Row r scaled by 10^(r mod 5 − 2): norms from 1e-2 to 1e2 of the typical one.
+                let magnitudes: Vec<f64> =
+                    (0..count).map(|r| 10f64.powi((r % 5) as i32 - 2)).collect();
+                let magnitudes =
+                    Tensor::<1>::from_data(TensorData::new(magnitudes, [count]), &device)
+                        .cast(dtype)
+                        .reshape([count, 1]);
+                let rows = if transposed {
+                    random([width, count]).transpose()
+                } else {
+                    random([count, width])
+                } * magnitudes;
+                let weights = random([width, columns]);
+                let probe = random([count, columns]);
+                let run = |fused: bool| {
+                    let (x, w) = (rows.clone().require_grad(), weights.clone().require_grad());
+                    let output = if fused {
+                        fused_normed_projection(x.clone(), w.clone(), scale)
+                    } else {
+                        composed_normed_projection(x.clone(), w.clone(), scale)
+                    };
+                    let grads = (output.clone() * probe.clone()).sum().backward();
+                    [
+                        output.into_data(),
+                        x.grad(&grads).unwrap().into_data(),
+                        w.grad(&grads).unwrap().into_data(),
+                    ]
+                };
+                let (fused, composed) = (run(true), run(false));
+                let tolerance = match dtype {
+                    FloatDType::F64 => Tolerance::absolute(1e-10).set_relative(1e-9),
+                    _ => Tolerance::absolute(1e-4).set_relative(1e-3),
+                };
+                for (name, (fused, composed)) in ["output", "∂rows", "∂weights"]
+                    .iter()
+                    .zip(fused.iter().zip(&composed))
+                {
+                    assert_eq!(
+                        fused.shape(),
+                        composed.shape(),
+                        "{name} R={count} w={width}"
+                    );
+                    fused.assert_approx_eq::<f64>(composed, tolerance);
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod kernel_tests {
+    use super::{RowKernels, RowScale, backward_rows, forward_rows};
+    use crate::backend::flex_kernels::tests::sequence;
+
+    /// The f32 row loops the CPU runs (AVX2 where it has it) against the portable ones, for
+    /// widths around the lanes' multiples and column counts around the blocks of four.
+    #[test]
+    fn f32_row_loops_match_the_portable_ones() {
+        let scale = RowScale {
+            numerator: 4.0,
+            offset: 1e-3,
+            floor: 0.0,
+        };
+        let close = |a: &[f32], b: &[f32], what: &str| {
+            for (a, b) in a.iter().zip(b) {
+                assert!(
+                    (a - b).abs() <= 1e-4 * (1.0 + b.abs()),
+                    "{what}: {a} against {b}"
+                );
+            }
+        };
+        for (rows, width, columns) in [(5, 17, 6), (3, 8, 4), (4, 33, 9), (2, 5, 1)] {
+            let x = sequence(rows * width, 3);
+            let wt = sequence(columns * width, 4);
+            let g = sequence(rows * columns, 5);
+            let (mut fast, mut portable) = (vec![0.0; rows * columns], vec![0.0; rows * columns]);
+            <f32 as RowKernels>::forward_rows(&x, &wt, width, scale, &mut fast);
+            forward_rows(&x, &wt, width, scale, &mut portable);
+            close(&fast, &portable, "forward");
+            let backward = |fast: bool| {
+                let mut grads = (vec![0.0; rows * width], vec![0.5; columns * width]);
+                let mut scaled = vec![0.0; rows * columns];
+                let run = if fast {
+                    <f32 as RowKernels>::backward_rows
+                } else {
+                    backward_rows::<f32>
+                };
+                let (grad_x, grad_wt) = (&mut grads.0, &mut grads.1);
+                run(
+                    &x,
+                    &wt,
+                    width,
+                    (&portable, &g),
+                    scale,
+                    grad_x,
+                    grad_wt,
+                    &mut scaled,
+                );
+                grads
+            };
+            let (fast, portable) = (backward(true), backward(false));
+            close(&fast.0, &portable.0, "∂x");
+            close(&fast.1, &portable.1, "∂Wᵀ");
+        }
+    }
+}

@@ -40,7 +40,7 @@ use burn::tensor::{DType, Shape, Tensor, TensorData};
 use burn_flex::{Flex, FlexTensor};
 use rayon::prelude::*;
 
-use super::flex_kernels::{Scalar, axpy, dot};
+use super::flex_kernels::{Scalar, axpy, dot, unwritten, written, zeroed};
 
 /// Elements per parallel task: a 16 kB (f32) slice of the output stays in L1 while every
 /// state's slice is added to it.
@@ -223,10 +223,12 @@ fn forward<E: Scalar>(
             (cast(weight), slice::<E>(tensor))
         })
         .collect();
-    let mut out = vec![E::zero(); shape.num_elements()];
+    let mut out = unwritten::<E>(shape.num_elements());
     out.par_chunks_mut(ELEMENTS_PER_TASK)
         .enumerate()
-        .for_each(|(task, out)| weighted_sum(out, &terms, task * ELEMENTS_PER_TASK));
+        .for_each(|(task, out)| weighted_sum(zeroed(out), &terms, task * ELEMENTS_PER_TASK));
+    // SAFETY: the tasks' chunks partition `out`, and each was zeroed.
+    let out = unsafe { written(out) };
     records.weight_layout = Some((all_weights.len(), weights_dtype));
     records.mixes.push(MixRecord {
         states,
@@ -268,8 +270,9 @@ fn backward<E: Scalar>(
         };
         let scaled: Vec<(E, &[E])> = contributions.iter().map(|&(w, _, g)| (w, g)).collect();
         let len = shape.num_elements();
-        let mut grad_newest = vec![E::zero(); if newest_wanted { len } else { 0 }];
-        let mut newest_tasks: Vec<&mut [E]> = grad_newest.chunks_mut(ELEMENTS_PER_TASK).collect();
+        let mut grad_newest = unwritten::<E>(if newest_wanted { len } else { 0 });
+        let mut newest_tasks: Vec<&mut [std::mem::MaybeUninit<E>]> =
+            grad_newest.chunks_mut(ELEMENTS_PER_TASK).collect();
         newest_tasks.resize_with(len.div_ceil(ELEMENTS_PER_TASK), || &mut []);
         let dots: Vec<Vec<E>> = newest_tasks
             .into_par_iter()
@@ -277,7 +280,7 @@ fn backward<E: Scalar>(
             .map(|(task, out)| {
                 let start = task * ELEMENTS_PER_TASK;
                 if !out.is_empty() {
-                    weighted_sum(out, &scaled, start);
+                    weighted_sum(zeroed(out), &scaled, start);
                 }
                 if state.is_empty() {
                     return Vec::new();
@@ -302,7 +305,8 @@ fn backward<E: Scalar>(
             placeholder::<E>()
         };
         let grad_newest = if newest_wanted {
-            flex_tensor(grad_newest, shape)
+            // SAFETY: the tasks' chunks partition `grad_newest`, and each was zeroed.
+            flex_tensor(unsafe { written(grad_newest) }, shape)
         } else {
             placeholder::<E>()
         };

@@ -28,7 +28,9 @@ use burn::tensor::{DType, Tensor};
 use burn_flex::{Flex, FlexTensor};
 use rayon::prelude::*;
 
-use super::flex_kernels::{Scalar, axpy, dims, dot, tensor, values};
+use std::mem::MaybeUninit;
+
+use super::flex_kernels::{Scalar, axpy, dims, dot, tensor, unwritten, values, written, zeroed};
 
 /// Tokens per parallel task: enough work (tens of kB) to amortise the task.
 const TOKENS_PER_TASK: usize = 32;
@@ -180,10 +182,11 @@ fn forward<E: Scalar>(
     } = dims;
     let (w, s) = (values::<E>(weights), values::<E>(units));
     let addend = addend.map(|(beta, branch)| (values::<E>(beta), values::<E>(branch)));
-    let mut out = vec![E::zero(); tokens * rows * width];
+    let mut out = unwritten::<E>(tokens * rows * width);
     out.par_chunks_mut(TOKENS_PER_TASK * rows * width)
         .enumerate()
         .for_each(|(task, out)| {
+            let out = zeroed(out);
             for (offset, out) in out.chunks_exact_mut(rows * width).enumerate() {
                 let t = task * TOKENS_PER_TASK + offset;
                 let s = &s[t * count * width..][..count * width];
@@ -199,6 +202,8 @@ fn forward<E: Scalar>(
                 }
             }
         });
+    // SAFETY: the tasks' chunks partition `out`, and each was zeroed.
+    let out = unsafe { written(out) };
     tensor(out, [tokens, rows, width])
 }
 
@@ -240,7 +245,7 @@ fn backward<E: Scalar>(
     let (w, s, g) = (values::<E>(weights), values::<E>(units), values::<E>(grad));
     let addend = addend.map(|(beta, branch)| (values::<E>(beta), values::<E>(branch)));
     let with_addend = addend.is_some();
-    let mut grad_units = vec![E::zero(); tokens * count * width];
+    let mut grad_units = unwritten::<E>(tokens * count * width);
     let mut grad_weights = vec![E::zero(); tokens * rows * count];
     // Without the addend its gradients are empty: every task gets an empty slice of them.
     let (beta_len, branch_len) = if with_addend {
@@ -249,9 +254,9 @@ fn backward<E: Scalar>(
         (0, 0)
     };
     let mut grad_beta = vec![E::zero(); beta_len];
-    let mut grad_branch = vec![E::zero(); branch_len];
+    let mut grad_branch = unwritten::<E>(branch_len);
     let mut beta_tasks: Vec<&mut [E]> = grad_beta.chunks_mut(TOKENS_PER_TASK * rows).collect();
-    let mut branch_tasks: Vec<&mut [E]> = grad_branch
+    let mut branch_tasks: Vec<&mut [MaybeUninit<E>]> = grad_branch
         .chunks_mut(TOKENS_PER_TASK * views * width)
         .collect();
     let task_count = tokens.div_ceil(TOKENS_PER_TASK);
@@ -265,6 +270,7 @@ fn backward<E: Scalar>(
         .enumerate()
         .for_each(
             |(task, (((grad_units, grad_weights), grad_beta), grad_branch))| {
+                let (grad_units, grad_branch) = (zeroed(grad_units), zeroed(grad_branch));
                 let first = task * TOKENS_PER_TASK;
                 let task_tokens = grad_units.len() / (count * width);
                 for offset in 0..task_tokens {
@@ -294,6 +300,8 @@ fn backward<E: Scalar>(
                 }
             },
         );
+    // SAFETY: the tasks' chunks partition both buffers, and each was zeroed.
+    let (grad_units, grad_branch) = unsafe { (written(grad_units), written(grad_branch)) };
     let grad_weights = reduce_tokens(grad_weights, rows * count, dims.weights_per_token, tokens)
         .reshape([if dims.weights_per_token { tokens } else { 1 }, rows, count].into());
     let addend = with_addend.then(|| {

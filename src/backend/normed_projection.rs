@@ -420,6 +420,8 @@ fn backward<E: RowKernels>(
     );
     let mut grad_rows = unwritten::<E>(count * width);
     let grad_wt = if columns == 0 || width == 0 {
+        // No projection: the rows get a zero gradient.
+        zeroed(&mut grad_rows);
         vec![E::zero(); columns * width]
     } else {
         grad_rows
@@ -453,7 +455,7 @@ fn backward<E: RowKernels>(
                 },
             )
     };
-    // SAFETY: the tasks' chunks partition `grad_rows` (or it is empty), and each was zeroed.
+    // SAFETY: the tasks' chunks partition `grad_rows` (or it was zeroed whole), each zeroed.
     let grad_rows = unsafe { written(grad_rows) };
     let mut grad_weights = vec![E::zero(); width * columns];
     for (c, row) in grad_wt.chunks_exact(width.max(1)).enumerate() {

@@ -79,6 +79,16 @@ pub(crate) unsafe fn written<E: Scalar>(buffer: Vec<MaybeUninit<E>>) -> Vec<E> {
     unsafe { Vec::from_raw_parts(pointer.cast::<E>(), len, capacity) }
 }
 
+/// An f32 or f64 value as f64.
+pub(crate) fn to_f64<E: Scalar>(value: E) -> f64 {
+    num_traits::ToPrimitive::to_f64(&value).expect("f32 or f64")
+}
+
+/// An f64 value as f32 or f64.
+pub(crate) fn from_f64<E: Scalar>(value: f64) -> E {
+    E::from(value).expect("f32 or f64")
+}
+
 /// The shape of a Flex tensor of rank `D`.
 pub(crate) fn dims<const D: usize>(tensor: &FlexTensor) -> [usize; D] {
     tensor.layout().shape().dims::<D>()

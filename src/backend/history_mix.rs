@@ -40,7 +40,7 @@ use burn::tensor::{DType, Shape, Tensor, TensorData};
 use burn_flex::{Flex, FlexTensor};
 use rayon::prelude::*;
 
-use super::flex_kernels::{Scalar, axpy, dot, unwritten, written, zeroed};
+use super::flex_kernels::{Scalar, axpy, dot, from_f64, to_f64, unwritten, written, zeroed};
 
 /// Elements per parallel task: a 16 kB (f32) slice of the output stays in L1 while every
 /// state's slice is added to it.
@@ -211,7 +211,6 @@ fn forward<E: Scalar>(
     let weights_dtype = weights.dtype();
     let all_weights: Vec<f64> = weights.clone().into_data().iter::<f64>().collect();
     let weights: Vec<f64> = positions.iter().map(|&k| all_weights[k]).collect();
-    let cast = |w: f64| E::from(w).expect("f32 or f64");
     let terms: Vec<(E, &[E])> = states
         .iter()
         .zip(&weights)
@@ -220,7 +219,7 @@ fn forward<E: Scalar>(
                 .as_ref()
                 .expect("history mix: state kept");
             assert_eq!(tensor.layout().shape(), &shape, "history mix: state shapes");
-            (cast(weight), slice::<E>(tensor))
+            (from_f64(weight), slice::<E>(tensor))
         })
         .collect();
     let mut out = unwritten::<E>(shape.num_elements());
@@ -259,7 +258,7 @@ fn backward<E: Scalar>(
             .zip(&records.grads[mix..])
             .filter_map(|(record, grad)| {
                 let term = record.states.iter().position(|&s| s == newest)?;
-                let weight = E::from(record.weights[term]).expect("f32 or f64");
+                let weight = from_f64::<E>(record.weights[term]);
                 Some((weight, record.positions[term], slice::<E>(grad.as_ref()?)))
             })
             .collect();
@@ -297,7 +296,7 @@ fn backward<E: Scalar>(
             let mut sums = vec![0.0f64; count];
             for task in &dots {
                 for (&(_, position, _), value) in contributions.iter().zip(task) {
-                    sums[position] += num_traits::ToPrimitive::to_f64(value).expect("f32 or f64");
+                    sums[position] += to_f64(*value);
                 }
             }
             FlexTensor::from_data(TensorData::new(sums, [count]).convert_dtype(dtype))

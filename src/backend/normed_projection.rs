@@ -29,7 +29,9 @@ use burn::tensor::{DType, Tensor};
 use burn_flex::{Flex, FlexTensor};
 use rayon::prelude::*;
 
-use super::flex_kernels::{Scalar, axpy, dims, dot, tensor, unwritten, values, written, zeroed};
+use super::flex_kernels::{
+    Scalar, axpy, dims, dot, from_f64, tensor, to_f64, unwritten, values, written, zeroed,
+};
 use crate::multi_stream::RowScale;
 
 /// Rows per parallel task.
@@ -99,19 +101,11 @@ fn transposed<E: Scalar>(weights: &FlexTensor) -> (Vec<E>, usize) {
     (wt, columns)
 }
 
-fn f64_of<E: Scalar>(value: E) -> f64 {
-    num_traits::ToPrimitive::to_f64(&value).expect("f32 or f64")
-}
-
-fn scalar<E: Scalar>(value: f64) -> E {
-    E::from(value).expect("f32 or f64")
-}
-
 /// The forward of one task's rows `x` (`[r, w]`) into `out` (`[r, C]`), portable.
 fn forward_rows<E: Scalar>(x: &[E], wt: &[E], width: usize, scale: RowScale, out: &mut [E]) {
     let columns = wt.len() / width;
     for (out, x) in out.chunks_exact_mut(columns).zip(x.chunks_exact(width)) {
-        let s = scalar::<E>(scale.at(f64_of(dot(x, x)).sqrt()).0);
+        let s = from_f64::<E>(scale.at(to_f64(dot(x, x)).sqrt()).0);
         for (out, row) in out.iter_mut().zip(wt.chunks_exact(width)) {
             *out = s * dot(x, row);
         }
@@ -138,9 +132,10 @@ fn backward_rows<E: Scalar>(
         .zip(p.chunks_exact(columns).zip(g.chunks_exact(columns)))
         .zip(scaled.chunks_exact_mut(columns));
     for (((grad_x, x), (p, g)), scaled) in rows {
-        let (s, slope) = scale.at(f64_of(dot(x, x)).sqrt());
+        let (s, slope) = scale.at(to_f64(dot(x, x)).sqrt());
         // x W · ∂P = (P · ∂P) / s.
-        let coefficient = scalar::<E>(slope * f64_of(dot(p, g)) / s);
+        let coefficient = from_f64::<E>(slope * to_f64(dot(p, g)) / s);
+        let s = from_f64::<E>(s);
         for (grad_x, &x) in grad_x.iter_mut().zip(x) {
             *grad_x = coefficient * x;
         }
@@ -149,7 +144,7 @@ fn backward_rows<E: Scalar>(
             .zip(g)
             .zip(wt.chunks_exact(width).zip(grad_wt.chunks_exact_mut(width)))
         {
-            *scaled = scalar::<E>(s) * g;
+            *scaled = s * g;
             axpy(grad_x, *scaled, row);
             axpy(grad_row, *scaled, x);
         }

@@ -176,13 +176,18 @@ pub(crate) fn is_cube(device: &Device) -> bool {
 /// in f32 or f64.
 #[cfg(any(feature = "cube-kernels", feature = "flex"))]
 pub(crate) fn has_fused_sinkhorn<const D: usize>(tensor: &Tensor<D>) -> bool {
-    let device = tensor.device();
-    is_cube(&device) || (is_flex(&device) && flex_fused_dtype(tensor.dtype()))
+    is_cube(&tensor.device()) || has_fused_flex_ops(tensor)
 }
 
-/// Whether the crate's fused Flex ops take this dtype.
-pub(crate) fn flex_fused_dtype(dtype: burn::tensor::DType) -> bool {
-    matches!(dtype, burn::tensor::DType::F32 | burn::tensor::DType::F64)
+/// Whether `tensor` can go through the crate's fused CPU ops (`src/backend/`): a Flex device,
+/// f32 or f64.
+#[cfg(any(feature = "cube-kernels", feature = "flex"))]
+pub(crate) fn has_fused_flex_ops<const D: usize>(tensor: &Tensor<D>) -> bool {
+    is_flex(&tensor.device())
+        && matches!(
+            tensor.dtype(),
+            burn::tensor::DType::F32 | burn::tensor::DType::F64
+        )
 }
 
 /// Without Flex there is no fused history mix: no value of this type exists.
@@ -217,9 +222,7 @@ impl History {
 pub(crate) fn fused_history<const D: usize>(first: &Tensor<D>) -> Option<History> {
     #[cfg(feature = "flex")]
     {
-        let device = first.device();
-        (is_flex(&device) && flex_fused_dtype(first.dtype()))
-            .then(|| History::new(device.is_autodiff()))
+        has_fused_flex_ops(first).then(|| History::new(first.device().is_autodiff()))
     }
     #[cfg(not(feature = "flex"))]
     {

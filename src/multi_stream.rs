@@ -166,7 +166,7 @@ fn prepare<const D: usize>(
 /// `[tokens, R, w]`. One fused op on Flex ([`crate::backend::stream_mix`]), tensor ops elsewhere.
 fn mix(weights: Tensor<3>, units: Tensor<3>, addend: Option<(Tensor<3>, Tensor<3>)>) -> Tensor<3> {
     #[cfg(feature = "flex")]
-    if crate::backend::is_flex(&units.device()) && crate::backend::flex_fused_dtype(units.dtype()) {
+    if crate::backend::has_fused_flex_ops(&units) {
         return crate::backend::stream_mix::fused_stream_mix(weights, units, addend);
     }
     composed_mix(weights, units, addend)
@@ -215,7 +215,7 @@ pub(crate) struct RowScale {
 /// backward on Flex ([`crate::backend::normed_projection`]), tensor ops elsewhere.
 pub(crate) fn normed_projection(rows: Tensor<2>, weights: Tensor<2>, scale: RowScale) -> Tensor<2> {
     #[cfg(feature = "flex")]
-    if crate::backend::is_flex(&rows.device()) && crate::backend::flex_fused_dtype(rows.dtype()) {
+    if crate::backend::has_fused_flex_ops(&rows) {
         return crate::backend::normed_projection::fused_normed_projection(rows, weights, scale);
     }
     composed_normed_projection(rows, weights, scale)

@@ -63,11 +63,6 @@ pub(crate) fn fft_conv_1d(signal: Tensor<3>, kernel: Tensor<3>, start: usize) ->
     ))
 }
 
-/// Whether [`fft_conv_1d`] takes tensors of this dtype.
-pub(crate) fn supports(dtype: DType) -> bool {
-    matches!(dtype, DType::F32 | DType::F64)
-}
-
 /// The FFT length of a linear convolution of two length-`length` rows.
 fn fft_length(length: usize) -> usize {
     (2 * length - 1).next_power_of_two().max(2)

@@ -264,8 +264,7 @@ pub(crate) fn fft_conv_1d(
     let length = signal.dims()[2];
     #[cfg(feature = "flex")]
     if path == FftPath::Native
-        && crate::backend::is_flex(&signal.device())
-        && crate::backend::fft_conv::supports(signal.dtype())
+        && crate::backend::has_fused_flex_ops(&signal)
         && kernel.dtype() == signal.dtype()
     {
         // Transforms, product and crop per row in one op (src/backend/fft_conv.rs).

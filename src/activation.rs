@@ -2,15 +2,16 @@
 //!
 //! Burn 0.22.1's forward GELU is the exact `x·Φ(x)` everywhere, but its default
 //! `gelu_backward` (used by NdArray and the CubeCL backends) differentiates the *tanh
-//! approximation*, off by up to ~1e-3; only Flex overrides it with the exact derivative.
-//! Where that matters (training on another backend) the erf form is composed from tensor ops,
-//! whose autodiff derivative `Φ(x) + x·φ(x)` is exact. On Flex in f32 the crate's own op runs
+//! approximation*, off by up to ~1e-3; Flex and LibTorch override it with the exact derivative
+//! (LibTorch's is PyTorch's own `gelu_backward`, one kernel). Where that matters (training on
+//! another backend) the erf form is composed from tensor ops, whose autodiff derivative
+//! `Φ(x) + x·φ(x)` is exact. On Flex in f32 the crate's own op runs
 //! instead ([`crate::backend::gelu`]: erf to 1.5e-7, vectorised, several times faster than
 //! Flex's); in f64 Flex's own.
 
 use burn::prelude::*;
 
-use crate::backend::is_flex;
+use crate::backend::{is_flex, is_libtorch};
 
 /// `GELU(x) = x · Φ(x) = ½ x (1 + erf(x/√2))`, with the exact derivative on every backend.
 pub fn gelu<const D: usize>(input: Tensor<D>) -> Tensor<D> {
@@ -20,7 +21,8 @@ pub fn gelu<const D: usize>(input: Tensor<D>) -> Tensor<D> {
     if is_flex(&device) && crate::backend::gelu::supports(input.dtype()) {
         return crate::backend::gelu::gelu(input);
     }
-    if !device.is_autodiff() || is_flex(&device) {
+    // Composing erf on LibTorch would be ~10 kernels over the input where PyTorch runs one.
+    if !device.is_autodiff() || is_flex(&device) || is_libtorch(&device) {
         return burn::tensor::activation::gelu(input);
     }
     let cdf = input
@@ -78,5 +80,12 @@ mod tests {
     #[allow(deprecated)]
     fn gradient_is_exact_on_ndarray() {
         assert_exact_gradient(&Device::ndarray().autodiff());
+    }
+
+    #[cfg(feature = "tch")]
+    #[test]
+    #[allow(deprecated)]
+    fn gradient_is_exact_on_libtorch() {
+        assert_exact_gradient(&Device::libtorch().autodiff());
     }
 }

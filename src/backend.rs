@@ -4,6 +4,7 @@
 //! `flex` (default, pure-Rust CPU), `ndarray` (deprecated upstream), `wgpu`, `vulkan`, `metal`,
 //! `cuda` and `tch` (LibTorch's CPU device; PyTorch's kernels, see the README for the setup).
 
+use burn::nn::LayerNorm;
 use burn::prelude::*;
 
 use crate::error::{Error, Result};
@@ -11,7 +12,7 @@ use crate::error::{Error, Result};
 /// In a fused op's `Backward`: registers each computed gradient with its parent, where the
 /// parent is tracked (the parents' node type is private to burn-autodiff, hence a macro; `B` is
 /// the op's backend). Defined before the op modules, which use it.
-#[cfg(feature = "flex")]
+#[cfg(any(feature = "flex", feature = "tch"))]
 macro_rules! register_tracked {
     ($grads:expr, $parents:expr, $computed:expr) => {
         for (parent, grad) in $parents.into_iter().zip($computed) {
@@ -30,6 +31,8 @@ mod flex_kernels;
 pub(crate) mod gelu;
 #[cfg(feature = "flex")]
 mod history_mix;
+#[cfg(feature = "tch")]
+mod libtorch_layer_norm;
 #[cfg(feature = "flex")]
 pub(crate) use history_mix::History;
 #[cfg(feature = "flex")]
@@ -244,6 +247,19 @@ pub(crate) fn is_libtorch(device: &Device) -> bool {
     {
         let _ = device;
         false
+    }
+}
+
+/// `norm.forward(input)`; on LibTorch under autodiff through PyTorch's own LayerNorm forward and
+/// backward (`backend/libtorch_layer_norm.rs`), where Burn would differentiate ~9 composed ops.
+pub(crate) fn layer_norm<const D: usize>(norm: &LayerNorm, input: Tensor<D>) -> Tensor<D> {
+    #[cfg(feature = "tch")]
+    {
+        libtorch_layer_norm::layer_norm(norm, input)
+    }
+    #[cfg(not(feature = "tch"))]
+    {
+        norm.forward(input)
     }
 }
 

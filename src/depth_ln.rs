@@ -69,7 +69,11 @@ impl DepthLn {
     /// # Panics
     /// If the last axis of `input` is not the configured width (as [`LayerNorm`]).
     pub fn forward<const D: usize>(&self, input: Tensor<D>) -> Tensor<D> {
-        depth_scaled(self.norm.forward(input), self.strength.val(), self.depth)
+        depth_scaled(
+            crate::backend::layer_norm(&self.norm, input),
+            self.strength.val(),
+            self.depth,
+        )
     }
 
     /// The feature width this norm accepts.

@@ -69,7 +69,7 @@ pub enum BlockNorm {
 impl BlockNorm {
     fn forward<const D: usize>(&self, input: Tensor<D>) -> Tensor<D> {
         match self {
-            Self::Layer(norm) => norm.forward(input),
+            Self::Layer(norm) => crate::backend::layer_norm(norm, input),
             Self::Depth(norm) => norm.forward(input),
         }
     }

@@ -407,7 +407,7 @@ impl<C: StreamConnectivity<3>> ConnectedEncoder<C> {
 
     /// `LN(x)`, or `(1 + l·s_l)·LN(x)` with DepthLN, for a norm of layer `index` (`l = index + 1`).
     fn norm(&self, norm: &LayerNorm, index: usize, input: Tensor<3>) -> Tensor<3> {
-        let normed = norm.forward(input);
+        let normed = crate::backend::layer_norm(norm, input);
         match &self.depth_ln {
             Some(strengths) => depth_scaled(normed, strengths.val().narrow(0, index, 1), index + 1),
             None => normed,

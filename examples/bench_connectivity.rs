@@ -2,13 +2,15 @@
 //! line on stdout, then the ratios to the plain residual on stderr:
 //!
 //! ```text
-//! {"workload":"stack12.forward","variant":"hacn","ms":12.3,"host_peak_mb":50.1,"device":"flex"}
+//! {"workload":"stack12.forward","variant":"hacn","ms":12.3,"rounds_ms":[12.1,12.3,12.9],"host_peak_mb":50.1,"device":"flex"}
 //! ```
 //!
-//! `ms` is the median over `--runs` timed runs after `--warmup` untimed ones, the variants of a
-//! workload timed round-robin (run `r` of each before run `r + 1` of any) so that the machine's
-//! drifts do not favour one of them; `host_peak_mb` the largest growth of heap memory during a run (all tensor memory on CPU backends; host-side
-//! bookkeeping only on GPU backends).
+//! `ms` is the median over `--runs` timed runs (`rounds_ms`) after `--warmup` untimed ones, the
+//! variants of a workload timed round-robin (run `r` of each before run `r + 1` of any) so that
+//! the machine's drifts do not favour one of them; `host_peak_mb` the largest growth of heap
+//! memory during a run (all tensor memory on CPU backends; host-side bookkeeping only on GPU
+//! backends). The ratios on stderr are of the medians, with the median and quartiles of the
+//! per-round ratios beside them: their spread is the noise of the comparison.
 //!
 //! ```text
 //! cargo run --release --example bench_connectivity -- [--device flex] [--runs 5] [--warmup 1] [--only stack|gconv|profile]
@@ -120,70 +122,107 @@ fn run_once<T>(device: &Device, work: &dyn Fn() -> T) -> (f64, usize) {
     (ms, peak)
 }
 
-/// Median milliseconds and peak heap growth of every work, timed round-robin (run `r` of every
-/// work before run `r + 1` of any), so that drifts of the machine's speed spread over all of
-/// them rather than favouring whichever ran first.
+/// The runs of one work.
+#[derive(Clone)]
+struct Timing {
+    /// Milliseconds of each timed run, in round order.
+    rounds_ms: Vec<f64>,
+    /// The largest peak heap growth of a run.
+    peak: usize,
+}
+
+impl Timing {
+    fn median_ms(&self) -> f64 {
+        median(self.rounds_ms.clone())
+    }
+}
+
+fn median(mut values: Vec<f64>) -> f64 {
+    values.sort_by(f64::total_cmp);
+    values[values.len() / 2]
+}
+
+/// Every work's runs, timed round-robin (run `r` of every work before run `r + 1` of any), so
+/// that drifts of the machine's speed spread over all of them rather than favouring whichever
+/// ran first.
 fn measure_interleaved<T>(
     device: &Device,
     runs: usize,
     warmup: usize,
     works: &[&dyn Fn() -> T],
-) -> Vec<(f64, usize)> {
+) -> Vec<Timing> {
     for work in works {
         for _ in 0..warmup {
             run_once(device, *work);
         }
     }
-    let mut times = vec![Vec::with_capacity(runs); works.len()];
-    let mut peaks = vec![0; works.len()];
+    let mut timings = vec![
+        Timing {
+            rounds_ms: Vec::with_capacity(runs),
+            peak: 0,
+        };
+        works.len()
+    ];
     for _ in 0..runs {
-        for (index, work) in works.iter().enumerate() {
+        for (timing, work) in timings.iter_mut().zip(works) {
             let (ms, peak) = run_once(device, *work);
-            times[index].push(ms);
-            peaks[index] = peaks[index].max(peak);
+            timing.rounds_ms.push(ms);
+            timing.peak = timing.peak.max(peak);
         }
     }
-    times
-        .into_iter()
-        .zip(peaks)
-        .map(|(mut times, peak)| {
-            times.sort_by(f64::total_cmp);
-            (times[times.len() / 2], peak)
-        })
-        .collect()
+    timings
 }
 
 struct Report {
     device: String,
-    results: Vec<(String, String, f64, usize)>,
+    results: Vec<(String, String, Timing)>,
 }
 
 impl Report {
-    fn record(&mut self, workload: String, variant: &str, (ms, peak): (f64, usize)) {
+    fn record(&mut self, workload: String, variant: &str, timing: Timing) {
         println!(
-            "{{\"workload\":\"{workload}\",\"variant\":\"{variant}\",\"ms\":{ms:.3},\"host_peak_mb\":{:.1},\"device\":\"{}\"}}",
-            peak as f64 / 1e6,
+            "{{\"workload\":\"{workload}\",\"variant\":\"{variant}\",\"ms\":{:.3},\"rounds_ms\":{:?},\"host_peak_mb\":{:.1},\"device\":\"{}\"}}",
+            timing.median_ms(),
+            timing
+                .rounds_ms
+                .iter()
+                .map(|ms| (ms * 1e3).round() / 1e3)
+                .collect::<Vec<_>>(),
+            timing.peak as f64 / 1e6,
             self.device
         );
-        self.results.push((workload, variant.to_string(), ms, peak));
+        self.results.push((workload, variant.to_string(), timing));
     }
 
-    /// Time and peak-memory ratios of every variant to `baseline` within each workload.
+    /// Time and peak-memory ratios of every variant to `baseline` within each workload: the
+    /// ratio of the medians, and the spread of the ratios of runs of the same round (which
+    /// cancels drifts of the machine's speed that last longer than a round).
     fn print_ratios(&self, baseline: &str) {
-        let baselines: HashMap<&str, (f64, usize)> = self
+        let baselines: HashMap<&str, &Timing> = self
             .results
             .iter()
-            .filter(|(_, variant, ..)| variant == baseline)
-            .map(|(workload, _, ms, peak)| (workload.as_str(), (*ms, *peak)))
+            .filter(|(_, variant, _)| variant == baseline)
+            .map(|(workload, _, timing)| (workload.as_str(), timing))
             .collect();
-        for (workload, variant, ms, peak) in &self.results {
-            if let Some((base_ms, base_peak)) = baselines.get(workload.as_str())
+        for (workload, variant, timing) in &self.results {
+            if let Some(base) = baselines.get(workload.as_str())
                 && variant != baseline
             {
+                let mut paired: Vec<f64> = timing
+                    .rounds_ms
+                    .iter()
+                    .zip(&base.rounds_ms)
+                    .map(|(ms, base_ms)| ms / base_ms)
+                    .collect();
+                paired.sort_by(f64::total_cmp);
+                let quartile = |q: usize| paired[(q * (paired.len() - 1)).div_ceil(4)];
                 eprintln!(
-                    "{workload:>18} {variant:>9}: time {:.3}x {baseline}, host peak {:.3}x",
-                    ms / base_ms,
-                    *peak as f64 / (*base_peak).max(1) as f64
+                    "{workload:>18} {variant:>9}: time {:.3}x {baseline} (per round: median {:.3}, quartiles {:.3}-{:.3}), host peak {:.3}x",
+                    timing.median_ms() / base.median_ms(),
+                    median(paired.clone()),
+                    quartile(1),
+                    quartile(3),
+                    timing.peak as f64 / base.peak.max(1) as f64
                 );
             }
         }
@@ -305,8 +344,8 @@ fn profile(device: &Device, runs: usize, warmup: usize, report: &mut Report) {
     let works: Vec<&dyn Fn() -> Box<dyn std::any::Any>> =
         works.iter().map(|work| work.as_ref()).collect();
     let timings = measure_interleaved(device, runs, warmup, &works);
-    let step_ms = timings[0].0;
-    report.record(format!("profile{depth}"), "train_step", timings[0]);
+    let step_ms = timings[0].median_ms();
+    report.record(format!("profile{depth}"), "train_step", timings[0].clone());
     eprintln!("residual train step, depth {depth}: {step_ms:.1} ms");
     eprintln!(
         "{:>13} {:>10} {:>10} {:>7}",
@@ -314,13 +353,14 @@ fn profile(device: &Device, runs: usize, warmup: usize, report: &mut Report) {
     );
     let mut accounted = 0.0;
     for (class, timing) in OpClass::ALL.iter().zip(&timings[1..]) {
-        report.record(format!("profile{depth}"), class.name(), *timing);
-        let total = timing.0 * depth as f64;
+        let per_block = timing.median_ms();
+        report.record(format!("profile{depth}"), class.name(), timing.clone());
+        let total = per_block * depth as f64;
         accounted += total;
         eprintln!(
             "{:>13} {:>7.2} ms {:>7.1} ms {:>6.1}%",
             class.name(),
-            timing.0,
+            per_block,
             total,
             100.0 * total / step_ms
         );

@@ -67,7 +67,8 @@ pub enum BlockNorm {
 }
 
 impl BlockNorm {
-    fn forward<const D: usize>(&self, input: Tensor<D>) -> Tensor<D> {
+    /// `norm(x)` over the last axis (under autodiff on LibTorch, PyTorch's own LayerNorm).
+    pub fn forward<const D: usize>(&self, input: Tensor<D>) -> Tensor<D> {
         match self {
             Self::Layer(norm) => crate::backend::layer_norm(norm, input),
             Self::Depth(norm) => norm.forward(input),

@@ -228,7 +228,7 @@ impl OpClass {
 
 /// One block's layers and tracked inputs of the block's shapes, for [`OpClass`] timings.
 pub struct OpProfile {
-    norm: burn::nn::LayerNorm,
+    /// Its norm is the LayerNorm class, its two linear layers the matmul class.
     block: MlpBlock,
     /// `[B, T, d]`.
     stream: Tensor<3>,
@@ -248,7 +248,6 @@ impl OpProfile {
             device,
         );
         Self {
-            norm: burn::nn::LayerNormConfig::new(WIDTH).init(device),
             block,
             stream: stack_input(device).require_grad(),
             hidden: hidden.require_grad(),
@@ -260,7 +259,7 @@ impl OpProfile {
     pub fn train_step(&self, class: OpClass) -> Gradients {
         let (stream, hidden) = (self.stream.clone(), self.hidden.clone());
         let output = match class {
-            OpClass::LayerNorm => self.norm.forward(stream).mean(),
+            OpClass::LayerNorm => self.block.norm.forward(stream).mean(),
             OpClass::Matmul => {
                 self.block.expand.forward(stream).mean() + self.block.project.forward(hidden).mean()
             }

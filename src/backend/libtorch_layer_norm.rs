@@ -260,30 +260,15 @@ mod tests {
             };
             let grads = (y.clone() * weights.clone()).sum().backward();
             let beta = norm.beta.as_ref().expect("a bias");
-            (
-                y.inner(),
-                x.grad(&grads).expect("∂x"),
-                norm.gamma.grad(&grads).expect("∂γ"),
-                beta.grad(&grads).expect("∂β"),
-            )
+            [
+                y.inner().into_data(),
+                x.grad(&grads).expect("∂x").into_data(),
+                norm.gamma.grad(&grads).expect("∂γ").into_data(),
+                beta.grad(&grads).expect("∂β").into_data(),
+            ]
         };
-        let (fused, composed) = (run(true), run(false));
-        let tolerance = Tolerance::<f32>::absolute(1e-5);
-        fused
-            .0
-            .into_data()
-            .assert_approx_eq(&composed.0.into_data(), tolerance);
-        fused
-            .1
-            .into_data()
-            .assert_approx_eq(&composed.1.into_data(), tolerance);
-        fused
-            .2
-            .into_data()
-            .assert_approx_eq(&composed.2.into_data(), tolerance);
-        fused
-            .3
-            .into_data()
-            .assert_approx_eq(&composed.3.into_data(), tolerance);
+        for (fused, composed) in run(true).into_iter().zip(run(false)) {
+            fused.assert_approx_eq::<f32>(&composed, Tolerance::absolute(1e-5));
+        }
     }
 }

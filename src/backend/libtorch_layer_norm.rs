@@ -122,12 +122,15 @@ impl LayerNormBackend for LibTorch {
         grad: TchTensor,
     ) -> (TchTensor, TchTensor, TchTensor) {
         let width = normalized_width(&x.tensor);
-        // Fresh leaves: PyTorch's autograd records only this recomputation.
+        // Fresh leaves: PyTorch's autograd records only this recomputation (with gradients on
+        // even where the caller turned PyTorch's off for its thread).
         let leaf = |tensor: &tch::Tensor| tensor.detach().set_requires_grad(true);
         let (x, gamma, beta) = (leaf(&x.tensor), leaf(&gamma.tensor), leaf(&beta.tensor));
-        let y = x.layer_norm([width], Some(&gamma), Some(&beta), epsilon, true);
-        let objective = y.reshape([-1]).dot(&grad.tensor.reshape([-1]));
-        let gradients = tch::Tensor::run_backward(&[objective], &[&x, &gamma, &beta], false, false);
+        let gradients = tch::with_grad(|| {
+            let y = x.layer_norm([width], Some(&gamma), Some(&beta), epsilon, true);
+            let objective = y.reshape([-1]).dot(&grad.tensor.reshape([-1]));
+            tch::Tensor::run_backward(&[objective], &[&x, &gamma, &beta], false, false)
+        });
         let [grad_x, grad_gamma, grad_beta]: [tch::Tensor; 3] =
             gradients.try_into().expect("one gradient per input");
         (
@@ -233,7 +236,7 @@ mod tests {
     }
 
     /// The fused op against Burn's composed LayerNorm on LibTorch: forward and the gradients of
-    /// `x`, `γ` and `β`, with non-trivial `γ`, `β` and a transposed (non-contiguous) input.
+    /// `x`, `γ` and `β`, with non-trivial `γ`, `β`, `ε` and a transposed (non-contiguous) input.
     #[test]
     fn fused_layer_norm_matches_burns() {
         let device = Device::libtorch().autodiff();
@@ -267,7 +270,9 @@ mod tests {
                 beta.grad(&grads).expect("∂β").into_data(),
             ]
         };
-        for (fused, composed) in run(true).into_iter().zip(run(false)) {
+        // The fused run with PyTorch's gradients off for the thread, as a caller may have them.
+        let fused = tch::no_grad(|| run(true));
+        for (fused, composed) in fused.into_iter().zip(run(false)) {
             fused.assert_approx_eq::<f32>(&composed, Tolerance::absolute(1e-5));
         }
     }

@@ -215,11 +215,12 @@ impl Report {
                     .map(|(ms, base_ms)| ms / base_ms)
                     .collect();
                 paired.sort_by(f64::total_cmp);
+                // q = 2 is the median (index len / 2, as `median`).
                 let quartile = |q: usize| paired[(q * (paired.len() - 1)).div_ceil(4)];
                 eprintln!(
                     "{workload:>18} {variant:>9}: time {:.3}x {baseline} (per round: median {:.3}, quartiles {:.3}-{:.3}), host peak {:.3}x",
                     timing.median_ms() / base.median_ms(),
-                    median(paired.clone()),
+                    quartile(2),
                     quartile(1),
                     quartile(3),
                     timing.peak as f64 / base.peak.max(1) as f64

@@ -54,17 +54,17 @@ pub(crate) trait LayerNormBackend: Backend {
 /// `norm.forward(input)`; on LibTorch under autodiff (f32 or f64, with a bias) through the fused
 /// op, elsewhere Burn's.
 pub(crate) fn layer_norm<const D: usize>(norm: &LayerNorm, input: Tensor<D>) -> Tensor<D> {
-    if fuses(norm, &input)
-        && let (Some(beta), Some(epsilon)) = (&norm.beta, epsilon(norm))
-    {
-        return Tensor::from_dispatch(<Dispatch as LayerNormBackend>::fused_layer_norm(
-            input.into_dispatch(),
-            norm.gamma.val().into_dispatch(),
-            beta.val().into_dispatch(),
-            epsilon,
-        ));
+    match fused_parts(norm, &input) {
+        Some((gamma, beta, epsilon)) => {
+            Tensor::from_dispatch(<Dispatch as LayerNormBackend>::fused_layer_norm(
+                input.into_dispatch(),
+                gamma.into_dispatch(),
+                beta.into_dispatch(),
+                epsilon,
+            ))
+        }
+        None => norm.forward(input),
     }
-    norm.forward(input)
 }
 
 /// The `ε` of `norm`, read from its display (`LayerNorm {d_model: 8, epsilon: 0.00001, …}`):
@@ -76,21 +76,26 @@ fn epsilon(norm: &LayerNorm) -> Option<f64> {
     after[..end].parse().ok()
 }
 
-/// Whether [`layer_norm`] runs the fused op: LibTorch under autodiff, a bias, and input and
-/// parameters of one float type, f32 or f64, of matching width.
-fn fuses<const D: usize>(norm: &LayerNorm, input: &Tensor<D>) -> bool {
+/// `γ`, `β` and `ε` of `norm` where [`layer_norm`] runs the fused op: LibTorch under autodiff,
+/// a bias, input and parameters of one float type, f32 or f64, of matching width.
+fn fused_parts<const D: usize>(
+    norm: &LayerNorm,
+    input: &Tensor<D>,
+) -> Option<(Tensor<1>, Tensor<1>, f64)> {
     let device = input.device();
+    if !device.is_autodiff() || !is_libtorch(&device) {
+        return None;
+    }
     let dtype = input.dtype();
-    let gamma = norm.gamma.val();
-    device.is_autodiff()
-        && is_libtorch(&device)
-        && matches!(dtype, DType::F32 | DType::F64)
+    let (gamma, beta) = (norm.gamma.val(), norm.beta.as_ref()?.val());
+    let fusable = matches!(dtype, DType::F32 | DType::F64)
         && gamma.dtype() == dtype
-        && norm
-            .beta
-            .as_ref()
-            .is_some_and(|beta| beta.val().dtype() == dtype)
-        && input.dims()[D - 1] == gamma.dims()[0]
+        && beta.dtype() == dtype
+        && input.dims()[D - 1] == gamma.dims()[0];
+    if !fusable {
+        return None;
+    }
+    Some((gamma, beta, epsilon(norm)?))
 }
 
 fn normalized_width(x: &tch::Tensor) -> i64 {
@@ -223,7 +228,7 @@ mod tests {
     use burn::prelude::*;
     use burn::tensor::{Distribution, Tolerance};
 
-    use super::{epsilon, fuses, layer_norm};
+    use super::{epsilon, fused_parts, layer_norm};
 
     /// `ε` read back exactly, for the widths and values models use.
     #[test]
@@ -253,7 +258,7 @@ mod tests {
         let x = Tensor::<3>::random([24, 5, 3], Distribution::Normal(1.0, 2.0), &device)
             .swap_dims(0, 2)
             .require_grad();
-        assert!(fuses(&norm, &x));
+        assert!(fused_parts(&norm, &x).is_some());
         let weights = Tensor::<3>::random([3, 5, 24], Distribution::Normal(0.0, 1.0), &device);
         let run = |fused: bool| {
             let y = if fused {

@@ -31,8 +31,8 @@ mod flex_kernels;
 pub(crate) mod gelu;
 #[cfg(feature = "flex")]
 mod history_mix;
-#[cfg(feature = "tch")]
-mod libtorch_layer_norm;
+#[cfg(any(feature = "flex", feature = "tch"))]
+mod layer_norm;
 #[cfg(feature = "flex")]
 pub(crate) use history_mix::History;
 #[cfg(feature = "flex")]
@@ -250,14 +250,14 @@ pub(crate) fn is_libtorch(device: &Device) -> bool {
     }
 }
 
-/// `norm.forward(input)`; on LibTorch under autodiff through PyTorch's own LayerNorm forward and
-/// backward (`backend/libtorch_layer_norm.rs`), where Burn would differentiate ~9 composed ops.
+/// `norm.forward(input)`; on Flex and LibTorch under autodiff as one op forward and one backward
+/// (`backend/layer_norm.rs`), where Burn would differentiate ~9 composed ops.
 pub(crate) fn layer_norm<const D: usize>(norm: &LayerNorm, input: Tensor<D>) -> Tensor<D> {
-    #[cfg(feature = "tch")]
+    #[cfg(any(feature = "flex", feature = "tch"))]
     {
-        libtorch_layer_norm::layer_norm(norm, input)
+        layer_norm::layer_norm(norm, input)
     }
-    #[cfg(not(feature = "tch"))]
+    #[cfg(not(any(feature = "flex", feature = "tch")))]
     {
         norm.forward(input)
     }

@@ -1,0 +1,329 @@
+//! LayerNorm under autodiff as one op forward and one backward, on Flex and on LibTorch.
+//!
+//! ```text
+//! y = (x − μ) r γ + β,    μ = mean(x),  r = 1/√(var(x) + ε)   (over the last axis)
+//! ∂β = Σ_rows ∂y,    ∂γ = Σ_rows ∂y ⊙ x̂,    ∂x = r (g − mean(g) − x̂ mean(g ⊙ x̂)),  g = ∂y ⊙ γ
+//! ```
+//!
+//! Burn 0.22.1's autodiff has no LayerNorm op of its own: it differentiates the composed default
+//! of `ModuleOps::layer_norm` (mean, centre, square, mean, add, sqrt, divide, scale, shift), ~9
+//! full-size tensor ops forward and about twice that backward, and keeps the centred input and
+//! `x̂` for them: two full-size tensors per norm. The fused op keeps only `x`, which is the stream
+//! the norm reads; a connectivity that mixes earlier states (ANCRe, H-ACN's gates) keeps that
+//! same buffer, so the states it needs cost no memory beyond the norm's.
+//!
+//! - Flex ([`flex`]): Flex's own fused forward, and a backward that recomputes `μ`, `r`, `x̂` row
+//!   by row and writes `∂x` in one pass, summing `∂γ`, `∂β` on the way.
+//! - LibTorch ([`libtorch`]): PyTorch's LayerNorm forward and backward.
+
+// burn-tch (named in the op's dispatch) is deprecated upstream, to be removed in a later Burn.
+#![cfg_attr(feature = "tch", allow(deprecated))]
+
+use burn::backend::autodiff::Autodiff;
+use burn::backend::autodiff::NodeId;
+use burn::backend::autodiff::checkpoint::base::Checkpointer;
+use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
+use burn::backend::autodiff::grads::Gradients;
+use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
+use burn::backend::tensor::FloatTensor;
+use burn::backend::{AutodiffBackend, Backend, Dispatch, backend_extension};
+use burn::nn::LayerNorm;
+use burn::tensor::{DType, Tensor};
+
+use super::{is_flex, is_libtorch};
+
+#[cfg(feature = "flex")]
+mod flex;
+#[cfg(feature = "tch")]
+mod libtorch;
+
+/// LayerNorm as one op forward and one backward (see the [module docs](self)).
+#[backend_extension(Flex: cfg(feature = "flex"), LibTorch: cfg(feature = "tch"), Autodiff)]
+pub(crate) trait LayerNormBackend: Backend {
+    /// `(x − μ) r γ + β` over the last axis.
+    fn fused_layer_norm(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        beta: FloatTensor<Self>,
+        epsilon: f64,
+    ) -> FloatTensor<Self>;
+
+    /// `(∂x, ∂γ, ∂β)` for the output gradient `grad`.
+    fn fused_layer_norm_backward(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        beta: FloatTensor<Self>,
+        epsilon: f64,
+        grad: FloatTensor<Self>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>);
+}
+
+/// `norm.forward(input)`; on Flex and LibTorch under autodiff (f32 or f64, with a bias) through
+/// the fused op, elsewhere Burn's.
+pub(crate) fn layer_norm<const D: usize>(norm: &LayerNorm, input: Tensor<D>) -> Tensor<D> {
+    match fused_parts(norm, &input) {
+        Some((gamma, beta, epsilon)) => {
+            Tensor::from_dispatch(<Dispatch as LayerNormBackend>::fused_layer_norm(
+                input.into_dispatch(),
+                gamma.into_dispatch(),
+                beta.into_dispatch(),
+                epsilon,
+            ))
+        }
+        None => norm.forward(input),
+    }
+}
+
+/// The `ε` of `norm`, read from its display (`LayerNorm {d_model: 8, epsilon: 0.00001, …}`):
+/// burn-nn 0.22.1 keeps the field private and out of the record. `None` if the display changes.
+fn epsilon(norm: &LayerNorm) -> Option<f64> {
+    let shown = norm.to_string();
+    let (_, after) = shown.split_once("epsilon: ")?;
+    let end = after.find([',', '}', ' ', '\n']).unwrap_or(after.len());
+    after[..end].parse().ok()
+}
+
+/// `γ`, `β` and `ε` of `norm` where [`layer_norm`] runs the fused op: Flex or LibTorch under autodiff,
+/// a bias, input and parameters of one float type, f32 or f64, of matching width.
+fn fused_parts<const D: usize>(
+    norm: &LayerNorm,
+    input: &Tensor<D>,
+) -> Option<(Tensor<1>, Tensor<1>, f64)> {
+    let device = input.device();
+    if !device.is_autodiff() || !(is_flex(&device) || is_libtorch(&device)) {
+        return None;
+    }
+    let dtype = input.dtype();
+    let (gamma, beta) = (norm.gamma.val(), norm.beta.as_ref()?.val());
+    let fusable = matches!(dtype, DType::F32 | DType::F64)
+        && gamma.dtype() == dtype
+        && beta.dtype() == dtype
+        && input.dims()[D - 1] == gamma.dims()[0];
+    if !fusable {
+        return None;
+    }
+    Some((gamma, beta, epsilon(norm)?))
+}
+
+/// The fused LayerNorm under autodiff: parents `[x, γ, β]`.
+#[derive(Debug)]
+struct FusedLayerNorm;
+
+impl<B: LayerNormBackend> Backward<B, 3> for FusedLayerNorm {
+    /// `x` (checkpointed: under autodiff it is the very buffer of the stream), `γ`, `β`, `ε`.
+    type State = (NodeId, FloatTensor<B>, FloatTensor<B>, f64);
+
+    fn backward(
+        self,
+        ops: Ops<Self::State, 3>,
+        grads: &mut Gradients,
+        checkpointer: &mut Checkpointer,
+    ) {
+        let grad = grads.consume::<B>(&ops.node);
+        let (x, gamma, beta, epsilon) = ops.state;
+        let x = checkpointer.retrieve_node_output(x);
+        let (grad_x, grad_gamma, grad_beta) =
+            B::fused_layer_norm_backward(x, gamma, beta, epsilon, grad);
+        register_tracked!(grads, ops.parents, [grad_x, grad_gamma, grad_beta]);
+    }
+}
+
+impl<B: LayerNormBackend, C: CheckpointStrategy> LayerNormBackend for Autodiff<B, C> {
+    fn fused_layer_norm(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        beta: FloatTensor<Self>,
+        epsilon: f64,
+    ) -> FloatTensor<Self> {
+        match FusedLayerNorm
+            .prepare::<C>([x.node(), gamma.node(), beta.node()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(mut prep) => {
+                let x_state = prep.checkpoint(&x);
+                let (x, gamma, beta) = (
+                    x.into_primitive(),
+                    gamma.into_primitive(),
+                    beta.into_primitive(),
+                );
+                let output = B::fused_layer_norm(x, gamma.clone(), beta.clone(), epsilon);
+                prep.finish((x_state, gamma, beta, epsilon), output)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(B::fused_layer_norm(
+                x.into_primitive(),
+                gamma.into_primitive(),
+                beta.into_primitive(),
+                epsilon,
+            )),
+        }
+    }
+
+    // First-order only: the gradients are constants to the graph.
+    fn fused_layer_norm_backward(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        beta: FloatTensor<Self>,
+        epsilon: f64,
+        grad: FloatTensor<Self>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        let (grad_x, grad_gamma, grad_beta) = B::fused_layer_norm_backward(
+            x.into_primitive(),
+            gamma.into_primitive(),
+            beta.into_primitive(),
+            epsilon,
+            grad.into_primitive(),
+        );
+        (
+            Self::from_inner(grad_x),
+            Self::from_inner(grad_gamma),
+            Self::from_inner(grad_beta),
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use burn::module::Param;
+    use burn::nn::{LayerNorm, LayerNormConfig};
+    use burn::prelude::*;
+    use burn::tensor::{DType, Distribution, Tolerance};
+
+    use super::{epsilon, fused_parts, layer_norm};
+
+    /// `ε` read back exactly, for the widths and values models use.
+    #[test]
+    fn epsilon_is_read_from_the_display() {
+        let device = Device::flex();
+        for value in [1e-5, 1e-6, 1e-12, 0.1, 2.5] {
+            let norm = LayerNormConfig::new(8).with_epsilon(value).init(&device);
+            assert_eq!(epsilon(&norm), Some(value));
+        }
+    }
+
+    /// A norm of width 27 (three full lanes of eight and a rest) with random `γ`, `β`, `ε` = 1e-3.
+    fn norm_with_random_affine(device: &Device, dtype: DType) -> LayerNorm {
+        let mut norm = LayerNormConfig::new(27).with_epsilon(1e-3).init(device);
+        let uniform = |low, high| {
+            let values = Tensor::<1>::random([27], Distribution::Uniform(low, high), device);
+            Param::from_tensor(values.cast(dtype))
+        };
+        norm.gamma = uniform(0.5, 1.5);
+        norm.beta = Some(uniform(-0.5, 0.5));
+        norm
+    }
+
+    /// The fused op against Burn's composed LayerNorm on the same device: forward and the
+    /// gradients of `x`, `γ` and `β`, on a transposed (non-contiguous) input of 210 rows (several
+    /// parallel tasks); `fused_run` wraps the fused pass (LibTorch: PyTorch's gradients off).
+    fn fused_matches_burns(
+        device: &Device,
+        dtype: DType,
+        tolerance: f64,
+        fused_run: impl FnOnce(&dyn Fn() -> [TensorData; 4]) -> [TensorData; 4],
+    ) {
+        let device = device.clone().autodiff();
+        let norm = norm_with_random_affine(&device, dtype);
+        let x = Tensor::<3>::random([27, 70, 3], Distribution::Normal(1.0, 2.0), &device)
+            .cast(dtype)
+            .swap_dims(0, 2)
+            .require_grad();
+        assert!(fused_parts(&norm, &x).is_some());
+        let weights =
+            Tensor::<3>::random([3, 70, 27], Distribution::Normal(0.0, 1.0), &device).cast(dtype);
+        let run = |fused: bool| {
+            let y = if fused {
+                layer_norm(&norm, x.clone())
+            } else {
+                norm.forward(x.clone())
+            };
+            let grads = (y.clone() * weights.clone()).sum().backward();
+            let beta = norm.beta.as_ref().expect("a bias");
+            [
+                y.inner().into_data(),
+                x.grad(&grads).expect("∂x").into_data(),
+                norm.gamma.grad(&grads).expect("∂γ").into_data(),
+                beta.grad(&grads).expect("∂β").into_data(),
+            ]
+        };
+        let fused = fused_run(&|| run(true));
+        for (fused, composed) in fused.into_iter().zip(run(false)) {
+            assert_eq!(fused.dtype(), dtype);
+            let tolerance = Tolerance::absolute(tolerance).set_relative(tolerance);
+            fused.assert_approx_eq::<f64>(&composed, tolerance);
+        }
+    }
+
+    #[cfg(feature = "flex")]
+    #[test]
+    fn flex_matches_burns_composed_layer_norm() {
+        fused_matches_burns(&Device::flex(), DType::F32, 1e-5, |run| run());
+        fused_matches_burns(&Device::flex(), DType::F64, 1e-12, |run| run());
+    }
+
+    #[cfg(feature = "tch")]
+    #[test]
+    fn libtorch_matches_burns_composed_layer_norm() {
+        let run_without_pytorch_grads = |run: &dyn Fn() -> [TensorData; 4]| tch::no_grad(run);
+        fused_matches_burns(
+            &Device::libtorch(),
+            DType::F32,
+            1e-5,
+            run_without_pytorch_grads,
+        );
+    }
+
+    /// Elsewhere (no autodiff, or a backend without the op) it is Burn's LayerNorm.
+    #[test]
+    fn fused_only_under_autodiff_on_flex_or_libtorch() {
+        let device = Device::flex();
+        let norm = norm_with_random_affine(&device, DType::F32);
+        let x = Tensor::<2>::random([4, 27], Distribution::Normal(0.0, 1.0), &device);
+        assert!(fused_parts(&norm, &x).is_none());
+        assert!(fused_parts(&norm, &x.clone().cast(DType::F16)).is_none());
+        let autodiff = device.autodiff();
+        let x = Tensor::<2>::from_data(x.to_data(), &autodiff);
+        let autodiff = norm_with_random_affine(&autodiff, DType::F32);
+        assert!(fused_parts(&autodiff, &x).is_some());
+        let mut without_bias = autodiff;
+        without_bias.beta = None;
+        assert!(fused_parts(&without_bias, &x).is_none());
+        #[cfg(feature = "ndarray")]
+        {
+            let ndarray = crate::backend::device("ndarray").unwrap().autodiff();
+            let norm = norm_with_random_affine(&ndarray, DType::F32);
+            assert!(fused_parts(&norm, &x.to_device(&ndarray)).is_none());
+        }
+    }
+
+    /// Under Burn's gradient checkpointing (which may recompute the norm's input rather than
+    /// keep it) the gradients are those of the plain autodiff.
+    #[cfg(feature = "flex")]
+    #[test]
+    fn gradient_checkpointing_gives_the_same_gradients() {
+        let flex = Device::flex();
+        let template = norm_with_random_affine(&flex, DType::F32);
+        let x = Tensor::<2>::random([90, 27], Distribution::Normal(0.0, 1.0), &flex);
+        let run = |device: Device| {
+            let copy = |tensor: Tensor<1>| {
+                Param::from_tensor(Tensor::from_data(tensor.to_data(), &device).require_grad())
+            };
+            let mut norm = LayerNormConfig::new(27).with_epsilon(1e-3).init(&device);
+            norm.gamma = copy(template.gamma.val());
+            norm.beta = template.beta.as_ref().map(|beta| copy(beta.val()));
+            let x = Tensor::<2>::from_data(x.to_data(), &device).require_grad();
+            // A memory-bound op between the leaf and the norm, which checkpointing recomputes.
+            let y = layer_norm(&norm, x.clone().exp() + 1.0);
+            let grads = (y.clone() * y).sum().backward();
+            [
+                x.grad(&grads).expect("∂x").into_data(),
+                norm.gamma.grad(&grads).expect("∂γ").into_data(),
+            ]
+        };
+        let plain = run(flex.clone().autodiff());
+        let checkpointed = run(flex.autodiff().gradient_checkpointing());
+        for (plain, checkpointed) in plain.iter().zip(&checkpointed) {
+            plain.assert_eq(checkpointed, true);
+        }
+    }
+}

@@ -41,6 +41,8 @@ pub(crate) mod normed_projection;
 pub(crate) mod sinkhorn;
 #[cfg(feature = "flex")]
 pub(crate) mod stream_mix;
+#[cfg(feature = "flex")]
+pub(crate) use stream_mix::UnitsGradient;
 
 /// Every backend name this crate knows, compiled in or not.
 pub const BACKENDS: [&str; 7] = ["flex", "ndarray", "wgpu", "vulkan", "metal", "cuda", "tch"];
@@ -217,6 +219,26 @@ impl History {
         _newest: Tensor<D>,
     ) -> Tensor<D> {
         match *self {}
+    }
+}
+
+/// Without Flex there is no fused stream mixing: no value of this type exists.
+#[cfg(not(feature = "flex"))]
+#[derive(Clone, Debug)]
+pub(crate) enum UnitsGradient {}
+
+/// A slot in which a multi-stream layer's ops assemble the gradient of its units `units` in one
+/// pass (`src/backend/stream_mix.rs`), where the device has the fused ops and may differentiate:
+/// Flex under autodiff, f32 or f64.
+pub(crate) fn units_gradient(units: &Tensor<3>) -> Option<UnitsGradient> {
+    #[cfg(feature = "flex")]
+    {
+        (has_fused_flex_ops(units) && units.device().is_autodiff()).then(UnitsGradient::default)
+    }
+    #[cfg(not(feature = "flex"))]
+    {
+        let _ = units;
+        None
     }
 }
 

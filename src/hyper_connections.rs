@@ -36,6 +36,7 @@
 use burn::module::Param;
 use burn::prelude::*;
 
+use crate::backend::UnitsGradient;
 use crate::connectivity::ConnectivityConfig;
 use crate::error::{Error, Result, check_size};
 use crate::multi_stream::{self, Layout, Mixing, MixingLayer, RowScale, StreamReduce};
@@ -165,7 +166,12 @@ impl HcLayer {
     }
 
     /// `A` (`[1 | tokens, U, V+U]`) and `B` (`[1 | tokens, U, 1]`).
-    fn connections(&self, units: &Tensor<3>, tanh: bool) -> (Tensor<3>, Tensor<3>) {
+    fn connections(
+        &self,
+        units: &Tensor<3>,
+        tanh: bool,
+        deferred: Option<&UnitsGradient>,
+    ) -> (Tensor<3>, Tensor<3>) {
         let (count, views) = self.units_and_views();
         let alpha = self.static_alpha.val().unsqueeze::<3>();
         let beta = self.static_beta.val().reshape([1, count, 1]);
@@ -189,7 +195,7 @@ impl HcLayer {
             offset: 0.0,
             floor: 1e-12,
         };
-        let mut projected = multi_stream::normed_projection(rows, weights, scale);
+        let mut projected = multi_stream::normed_projection(rows, weights, scale, deferred);
         if tanh {
             projected = projected.tanh();
         }
@@ -214,8 +220,8 @@ struct HcMixing<'a> {
 }
 
 impl MixingLayer for HcMixing<'_> {
-    fn mixing(&self, units: &Tensor<3>) -> Mixing {
-        let (alpha, beta) = self.layer.connections(units, self.tanh);
+    fn mixing(&self, units: &Tensor<3>, deferred: Option<&UnitsGradient>) -> Mixing {
+        let (alpha, beta) = self.layer.connections(units, self.tanh, deferred);
         Mixing {
             width: alpha.swap_dims(1, 2),
             beta,

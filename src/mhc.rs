@@ -37,6 +37,7 @@ use burn::prelude::*;
 use burn::tensor::Distribution;
 use burn::tensor::activation::{sigmoid, softmax};
 
+use crate::backend::UnitsGradient;
 use crate::connectivity::ConnectivityConfig;
 use crate::error::{Error, Result, check_depth, check_non_negative, check_size};
 use crate::multi_stream::{
@@ -219,6 +220,16 @@ impl MhcLayer {
 
     /// `H_pre`, `H_post`, `H_res` for the streams `[tokens, n, C]`.
     pub fn connections(&self, streams: &Tensor<3>, iterations: usize) -> MhcConnections {
+        self.connections_with(streams, iterations, None)
+    }
+
+    /// [`connections`](Self::connections), with the streams' gradient slot for the projection.
+    fn connections_with(
+        &self,
+        streams: &Tensor<3>,
+        iterations: usize,
+        deferred: Option<&UnitsGradient>,
+    ) -> MhcConnections {
         let [tokens, n, width] = streams.dims();
         let flat = streams.clone().reshape([tokens, n * width]);
         // 1 / (‖x‖/√N + ε) = √N / (‖x‖ + ε√N).
@@ -237,7 +248,8 @@ impl MhcLayer {
             0,
         )
         .unsqueeze::<2>();
-        let mixed = multi_stream::normed_projection(flat, self.phi.val(), scale_rows) * scale
+        let mixed = multi_stream::normed_projection(flat, self.phi.val(), scale_rows, deferred)
+            * scale
             + self.bias.val().unsqueeze::<2>();
         let pre = sigmoid(mixed.clone().narrow(1, 0, n)).add_scalar(MHC_EPS);
         let post = sigmoid(mixed.clone().narrow(1, n, n)).mul_scalar(2.0);
@@ -263,9 +275,11 @@ struct MhcMixing<'a> {
 }
 
 impl MixingLayer for MhcMixing<'_> {
-    fn mixing(&self, units: &Tensor<3>) -> Mixing {
+    fn mixing(&self, units: &Tensor<3>, deferred: Option<&UnitsGradient>) -> Mixing {
         let [tokens, n, _] = units.dims();
-        let MhcConnections { pre, post, res } = self.layer.connections(units, self.iterations);
+        let MhcConnections { pre, post, res } =
+            self.layer
+                .connections_with(units, self.iterations, deferred);
         mixing(pre, post, res, tokens, n)
     }
 }

@@ -22,6 +22,7 @@
 
 use burn::prelude::*;
 
+use crate::backend::UnitsGradient;
 use crate::error::{Error, Result};
 use crate::matrix::ConnectivityMatrix;
 
@@ -46,8 +47,9 @@ pub(crate) struct Mixing {
 
 /// A layer of a multi-stream connectivity: its mixing as a function of the units.
 pub(crate) trait MixingLayer {
-    /// The layer's connections for the units `[tokens, U, w]`.
-    fn mixing(&self, units: &Tensor<3>) -> Mixing;
+    /// The layer's connections for the units `[tokens, U, w]`; `deferred` is the units' gradient
+    /// slot, for the [`normed_projection`] that reads them.
+    fn mixing(&self, units: &Tensor<3>, deferred: Option<&UnitsGradient>) -> Mixing;
 }
 
 /// The layout of the units: `n` streams of `m` fractions of width `w = d/m`.
@@ -98,6 +100,8 @@ struct Prepared<const D: usize> {
     /// `A_resᵀ`, `[tokens | 1, U, U]`, applied when the block's output arrives.
     residual: Tensor<3>,
     beta: Tensor<3>,
+    /// The units' gradient slot, shared by the layer's projection and both mixes.
+    deferred: Option<UnitsGradient>,
 }
 
 impl<const D: usize> MultiStreamState<D> {
@@ -150,25 +154,39 @@ fn prepare<const D: usize>(
     shape: [usize; D],
     layer: &impl MixingLayer,
 ) -> Prepared<D> {
-    let Mixing { width, beta } = layer.mixing(units);
+    let deferred = crate::backend::units_gradient(units);
+    let Mixing { width, beta } = layer.mixing(units, deferred.as_ref());
     let [_, count, _] = units.dims();
     let [_, rows, _] = width.dims();
     let views = rows - count;
+    let input = mix(
+        width.clone().narrow(1, 0, views),
+        units.clone(),
+        None,
+        deferred.as_ref(),
+    );
     Prepared {
-        input: mix(width.clone().narrow(1, 0, views), units.clone(), None).reshape(shape),
+        input: input.reshape(shape),
         residual: width.narrow(1, views, count),
         beta,
+        deferred,
     }
 }
 
 /// `Aᵀ S (+ β h)` per token: `weights [tokens | 1, R, U]`, `units [tokens, U, w]`, and the
 /// optional `β [tokens | 1, R, 1]`, `h [tokens, V, w]` (row `r` receives view `r mod V`);
 /// `[tokens, R, w]`. One fused op on Flex ([`crate::backend::stream_mix`]), tensor ops elsewhere.
-fn mix(weights: Tensor<3>, units: Tensor<3>, addend: Option<(Tensor<3>, Tensor<3>)>) -> Tensor<3> {
+fn mix(
+    weights: Tensor<3>,
+    units: Tensor<3>,
+    addend: Option<(Tensor<3>, Tensor<3>)>,
+    deferred: Option<&UnitsGradient>,
+) -> Tensor<3> {
     #[cfg(feature = "flex")]
     if crate::backend::has_fused_flex_ops(&units) {
-        return crate::backend::stream_mix::fused_stream_mix(weights, units, addend);
+        return crate::backend::stream_mix::fused_stream_mix(weights, units, addend, deferred);
     }
+    let _ = deferred;
     composed_mix(weights, units, addend)
 }
 
@@ -212,12 +230,21 @@ pub(crate) struct RowScale {
 /// `P_r = s(‖x_r‖₂) · x_r W` for `rows [R, w]` and `weights [w, C]`: the projection of
 /// row-normalised units that starts the token-dependent connections of hyper-connections
 /// (`s = √w / max(n, 1e-12)`) and mHC (`s = 1 / (n/√N + ε)`). One fused op with its own
-/// backward on Flex ([`crate::backend::normed_projection`]), tensor ops elsewhere.
-pub(crate) fn normed_projection(rows: Tensor<2>, weights: Tensor<2>, scale: RowScale) -> Tensor<2> {
+/// backward on Flex ([`crate::backend::normed_projection`]), tensor ops elsewhere. `deferred`:
+/// the gradient slot of the units whose reshape `rows` is; its backward writes their gradient.
+pub(crate) fn normed_projection(
+    rows: Tensor<2>,
+    weights: Tensor<2>,
+    scale: RowScale,
+    deferred: Option<&UnitsGradient>,
+) -> Tensor<2> {
     #[cfg(feature = "flex")]
     if crate::backend::has_fused_flex_ops(&rows) {
-        return crate::backend::normed_projection::fused_normed_projection(rows, weights, scale);
+        return crate::backend::normed_projection::fused_normed_projection(
+            rows, weights, scale, deferred,
+        );
     }
+    let _ = deferred;
     composed_normed_projection(rows, weights, scale)
 }
 
@@ -254,10 +281,15 @@ pub(crate) fn step<const D: usize>(
         layout,
         next: prepared,
     } = state;
-    let Prepared { residual, beta, .. } = prepared.expect("blocks are stepped once each, in order");
+    let Prepared {
+        residual,
+        beta,
+        deferred,
+        ..
+    } = prepared.expect("blocks are stepped once each, in order");
     let [tokens, _, unit_width] = units.dims();
     let branch = branch.reshape([tokens, layout.fractions, unit_width]);
-    let units = mix(residual, units, Some((beta, branch)));
+    let units = mix(residual, units, Some((beta, branch)), deferred.as_ref());
     let next = next.map(|layer| prepare(&units, shape, layer));
     MultiStreamState {
         units,
@@ -341,7 +373,7 @@ pub(crate) fn static_part_matrix<L: MixingLayer>(
 ) -> ConnectivityMatrix {
     let zero = Tensor::zeros([1, layout.units(), unit_width], device);
     let layers: Vec<StaticMixing> = layers
-        .map(|layer| StaticMixing::from_mixing(layer.mixing(&zero)))
+        .map(|layer| StaticMixing::from_mixing(layer.mixing(&zero, None)))
         .collect();
     static_matrix(&layers, layout, reduce)
 }

@@ -1,4 +1,4 @@
-//! Helpers shared by the crate's fused CPU ops on Flex: typed views of Flex tensors and the two
+//! Helpers shared by the crate's fused CPU ops on Flex: typed views of Flex tensors and the
 //! inner loops they are made of.
 
 use std::borrow::Cow;
@@ -22,6 +22,18 @@ pub(crate) trait Scalar:
     fn axpy(out: &mut [Self], c: Self, x: &[Self]) {
         portable_axpy(out, c, x);
     }
+
+    /// `out += Σ_i c_i x_i`.
+    fn add_weighted_sum(out: &mut [Self], terms: &[(Self, &[Self])]) {
+        portable_add_weighted_sum(out, terms);
+    }
+
+    /// `out_i = ⟨a, x_i⟩`.
+    fn dots(a: &[Self], xs: &[&[Self]], out: &mut [Self]) {
+        for (out, x) in out.iter_mut().zip(xs) {
+            *out = portable_dot(a, x);
+        }
+    }
 }
 
 impl Scalar for f64 {}
@@ -44,6 +56,28 @@ impl Scalar for f32 {
             return;
         }
         portable_axpy(out, c, x);
+    }
+
+    fn add_weighted_sum(out: &mut [f32], terms: &[(f32, &[f32])]) {
+        #[cfg(target_arch = "x86_64")]
+        if avx2::available() {
+            // SAFETY: the CPU has AVX2 and FMA.
+            unsafe { avx2::add_weighted_sum(out, terms) };
+            return;
+        }
+        portable_add_weighted_sum(out, terms);
+    }
+
+    fn dots(a: &[f32], xs: &[&[f32]], out: &mut [f32]) {
+        #[cfg(target_arch = "x86_64")]
+        if avx2::available() {
+            // SAFETY: the CPU has AVX2 and FMA.
+            unsafe { avx2::dots(a, xs, out) };
+            return;
+        }
+        for (out, x) in out.iter_mut().zip(xs) {
+            *out = portable_dot(a, x);
+        }
     }
 }
 
@@ -123,6 +157,28 @@ pub(crate) fn axpy<E: Scalar>(out: &mut [E], c: E, x: &[E]) {
     E::axpy(out, c, x);
 }
 
+/// `out += Σ_i c_i x_i` ([`Scalar::add_weighted_sum`]): one pass over `out` for all the terms,
+/// where an [`axpy`] per term reads and writes `out` once each. Every `x_i` covers `out`.
+pub(crate) fn add_weighted_sum<E: Scalar>(out: &mut [E], terms: &[(E, &[E])]) {
+    for (_, x) in terms {
+        assert!(
+            x.len() >= out.len(),
+            "weighted sum: a term shorter than the output"
+        );
+    }
+    E::add_weighted_sum(out, terms);
+}
+
+/// `out_i = ⟨a, x_i⟩` over `a`'s length ([`Scalar::dots`]): `a` read once for all of them.
+/// Every `x_i` covers `a`, and `out` has one entry per `x_i`.
+pub(crate) fn dots<E: Scalar>(a: &[E], xs: &[&[E]], out: &mut [E]) {
+    assert_eq!(xs.len(), out.len(), "dots: one output per vector");
+    for x in xs {
+        assert!(x.len() >= a.len(), "dots: a vector shorter than a");
+    }
+    E::dots(a, xs, out);
+}
+
 /// `Σ_k a_k b_k` with eight independent sums, so the compiler can vectorise it.
 fn portable_dot<E: Scalar>(a: &[E], b: &[E]) -> E {
     let mut lanes = [E::zero(); 8];
@@ -144,6 +200,26 @@ fn portable_dot<E: Scalar>(a: &[E], b: &[E]) -> E {
 fn portable_axpy<E: Scalar>(out: &mut [E], c: E, x: &[E]) {
     for (o, &v) in out.iter_mut().zip(x) {
         *o += c * v;
+    }
+}
+
+/// `out += Σ_i c_i x_i`, eight outputs at a time kept in a local array across the terms.
+fn portable_add_weighted_sum<E: Scalar>(out: &mut [E], terms: &[(E, &[E])]) {
+    let start = out.len() / 8 * 8;
+    let mut chunks = out.chunks_exact_mut(8);
+    for (k, chunk) in chunks.by_ref().enumerate() {
+        let mut lanes = [E::zero(); 8];
+        lanes.copy_from_slice(chunk);
+        for &(c, x) in terms {
+            for (lane, &x) in lanes.iter_mut().zip(&x[k * 8..k * 8 + 8]) {
+                *lane += c * x;
+            }
+        }
+        chunk.copy_from_slice(&lanes);
+    }
+    let rest = chunks.into_remainder();
+    for &(c, x) in terms {
+        portable_axpy(rest, c, &x[start..]);
     }
 }
 
@@ -204,6 +280,76 @@ pub(crate) mod avx2 {
         sum
     }
 
+    /// `out += Σ_i c_i x_i`, 32 outputs at a time held in four registers across the terms.
+    #[target_feature(enable = "avx2,fma")]
+    pub(crate) fn add_weighted_sum(out: &mut [f32], terms: &[(f32, &[f32])]) {
+        let len = out.len();
+        let mut k = 0;
+        while k + 32 <= len {
+            let mut sums: [__m256; 4] = std::array::from_fn(|j| load(out, k + 8 * j));
+            for &(c, x) in terms {
+                let c = _mm256_set1_ps(c);
+                for (j, sum) in sums.iter_mut().enumerate() {
+                    *sum = _mm256_fmadd_ps(c, load(x, k + 8 * j), *sum);
+                }
+            }
+            for (j, sum) in sums.into_iter().enumerate() {
+                store(out, k + 8 * j, sum);
+            }
+            k += 32;
+        }
+        while k + 8 <= len {
+            let mut sum = load(out, k);
+            for &(c, x) in terms {
+                sum = _mm256_fmadd_ps(_mm256_set1_ps(c), load(x, k), sum);
+            }
+            store(out, k, sum);
+            k += 8;
+        }
+        for (k, out) in out.iter_mut().enumerate().skip(k) {
+            for &(c, x) in terms {
+                *out += c * x[k];
+            }
+        }
+    }
+
+    /// `out_i = ⟨a, x_i⟩`, up to eight at a time, each chunk of `a` loaded once for all.
+    #[target_feature(enable = "avx2,fma")]
+    pub(crate) fn dots(a: &[f32], xs: &[&[f32]], out: &mut [f32]) {
+        for (xs, out) in xs.chunks(8).zip(out.chunks_mut(8)) {
+            match xs.len() {
+                1 => dots_of::<1>(a, xs, out),
+                2 => dots_of::<2>(a, xs, out),
+                3 => dots_of::<3>(a, xs, out),
+                4 => dots_of::<4>(a, xs, out),
+                5 => dots_of::<5>(a, xs, out),
+                6 => dots_of::<6>(a, xs, out),
+                7 => dots_of::<7>(a, xs, out),
+                _ => dots_of::<8>(a, xs, out),
+            }
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    fn dots_of<const N: usize>(a: &[f32], xs: &[&[f32]], out: &mut [f32]) {
+        let xs: &[&[f32]; N] = xs.try_into().expect("N vectors");
+        let len = a.len();
+        let split = len / 8 * 8;
+        let mut sums = [_mm256_setzero_ps(); N];
+        for k in (0..split).step_by(8) {
+            let v = load(a, k);
+            for (sum, x) in sums.iter_mut().zip(xs) {
+                *sum = _mm256_fmadd_ps(v, load(x, k), *sum);
+            }
+        }
+        for ((out, sum), x) in out.iter_mut().zip(sums).zip(xs) {
+            *out = total(sum);
+            for k in split..len {
+                *out += a[k] * x[k];
+            }
+        }
+    }
+
     /// `out += c x`.
     #[target_feature(enable = "avx2,fma")]
     pub(crate) fn axpy(out: &mut [f32], c: f32, x: &[f32]) {
@@ -253,6 +399,36 @@ pub(crate) mod tests {
             portable_axpy(&mut portable, 0.37, &b);
             for (fast, portable) in fast.iter().zip(&portable) {
                 assert!((fast - portable).abs() <= 1e-6, "axpy, {len}");
+            }
+            // Up to nine vectors: the AVX2 dots go eight at a time.
+            let vectors: Vec<Vec<f32>> = (0..9).map(|i| sequence(len, 3 + i)).collect();
+            for count in [1, 3, 4, 8, 9] {
+                let xs: Vec<&[f32]> = vectors[..count].iter().map(Vec::as_slice).collect();
+                let mut fast = vec![0.0; count];
+                dots(&a, &xs, &mut fast);
+                for (fast, x) in fast.iter().zip(&xs) {
+                    let portable = portable_dot(&a, x);
+                    assert!(
+                        (fast - portable).abs() <= 1e-4 * (1.0 + portable.abs()),
+                        "dots, {len}"
+                    );
+                }
+                let terms: Vec<(f32, &[f32])> = xs
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &x)| (0.3 - 0.2 * i as f32, x))
+                    .collect();
+                let (mut fast, mut portable) = (a.clone(), a.clone());
+                add_weighted_sum(&mut fast, &terms);
+                portable_add_weighted_sum(&mut portable, &terms);
+                let mut one_by_one = a.clone();
+                for &(c, x) in &terms {
+                    portable_axpy(&mut one_by_one, c, x);
+                }
+                for ((fast, portable), reference) in fast.iter().zip(&portable).zip(&one_by_one) {
+                    assert!((fast - reference).abs() <= 1e-5, "weighted sum, {len}");
+                    assert!((portable - reference).abs() <= 1e-5, "weighted sum, {len}");
+                }
             }
         }
     }

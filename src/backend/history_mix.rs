@@ -40,7 +40,9 @@ use burn::tensor::{DType, Shape, Tensor, TensorData};
 use burn_flex::{Flex, FlexTensor};
 use rayon::prelude::*;
 
-use super::flex_kernels::{Scalar, axpy, dot, from_f64, to_f64, unwritten, written, zeroed};
+use super::flex_kernels::{
+    Scalar, add_weighted_sum, dots, from_f64, to_f64, unwritten, written, zeroed,
+};
 
 /// Elements per parallel task: a 16 kB (f32) slice of the output stays in L1 while every
 /// state's slice is added to it.
@@ -178,16 +180,11 @@ fn placeholder<E: Scalar>() -> FlexTensor {
     flex_tensor(vec![E::zero()], Shape::new([1]))
 }
 
-/// `out = Σ_k c_k x_k` over one task's range (at least one term).
+/// `out += Σ_k c_k x_k` over one task's range: `out` read and written once for all the terms.
 fn weighted_sum<E: Scalar>(out: &mut [E], terms: &[(E, &[E])], start: usize) {
-    let ((first_weight, first), rest) = terms.split_first().expect("at least one term");
     let end = start + out.len();
-    for (o, &x) in out.iter_mut().zip(&first[start..end]) {
-        *o = *first_weight * x;
-    }
-    for &(weight, x) in rest {
-        axpy(out, weight, &x[start..end]);
-    }
+    let terms: Vec<(E, &[E])> = terms.iter().map(|&(c, x)| (c, &x[start..end])).collect();
+    add_weighted_sum(out, &terms);
 }
 
 fn forward<E: Scalar>(
@@ -285,10 +282,13 @@ fn backward<E: Scalar>(
                     return Vec::new();
                 }
                 let range = start..(start + ELEMENTS_PER_TASK).min(len);
-                scaled
+                let grads: Vec<&[E]> = scaled
                     .iter()
-                    .map(|(_, grad)| dot(&state[range.clone()], &grad[range.clone()]))
-                    .collect()
+                    .map(|(_, grad)| &grad[range.clone()])
+                    .collect();
+                let mut products = vec![E::zero(); grads.len()];
+                dots(&state[range], &grads, &mut products);
+                products
             })
             .collect();
         let grad_weights = if weights_wanted {

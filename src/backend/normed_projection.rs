@@ -16,7 +16,9 @@
 //! inner dimension `C`, each a pass over the units, plus a full-size gradient for the square
 //! and one more accumulation into the units' gradient. Here the forward reads the rows once,
 //! and the backward reads them once and writes their gradient once, `∂W` summed on the way.
-//! Flex only (f32 and f64).
+//! Where the rows are a layer's units and the layer's mixes left their parts of the units'
+//! gradient in a [`UnitsGradient`] (see there), the backward adds those in the same pass, so
+//! the units' gradient is written once for all three ops. Flex only (f32 and f64).
 
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
@@ -32,6 +34,7 @@ use rayon::prelude::*;
 use super::flex_kernels::{
     Scalar, axpy, dims, dot, from_f64, tensor, to_f64, unwritten, values, written, zeroed,
 };
+use super::stream_mix::{DeferredTerms, UnitsGradient};
 use crate::multi_stream::RowScale;
 
 /// Rows per parallel task.
@@ -58,33 +61,40 @@ impl RowScale {
 /// The fused normalised projection (see the [module docs](self)).
 #[backend_extension(Flex: cfg(feature = "flex"), Autodiff)]
 pub(crate) trait NormedProjectionBackend: Backend {
-    /// `P = s(‖x_r‖) x_r W` for `rows [R, w]`, `weights [w, C]`; `[R, C]`.
+    /// `P = s(‖x_r‖) x_r W` for `rows [R, w]`, `weights [w, C]`; `[R, C]`. Under autodiff it
+    /// claims `deferred`: its backward writes the whole gradient of the units the rows are.
     fn normed_projection(
         rows: FloatTensor<Self>,
         weights: FloatTensor<Self>,
         scale: RowScale,
+        deferred: Option<UnitsGradient>,
     ) -> FloatTensor<Self>;
 
-    /// The gradients of `rows` and `weights`, given the output `projection` and its gradient.
+    /// The gradients of `rows` (plus what was left in `deferred`) and `weights`, given the
+    /// output `projection` and its gradient.
     fn normed_projection_backward(
         rows: FloatTensor<Self>,
         weights: FloatTensor<Self>,
         projection: FloatTensor<Self>,
         grad: FloatTensor<Self>,
         scale: RowScale,
+        deferred: Option<UnitsGradient>,
     ) -> (FloatTensor<Self>, FloatTensor<Self>);
 }
 
-/// `s(‖x_r‖) x_r W` through the fused op; only for Flex devices in f32 or f64.
+/// `s(‖x_r‖) x_r W` through the fused op; only for Flex devices in f32 or f64. `deferred`: the
+/// gradient slot of the units whose reshape `rows` is.
 pub(crate) fn fused_normed_projection(
     rows: Tensor<2>,
     weights: Tensor<2>,
     scale: RowScale,
+    deferred: Option<&UnitsGradient>,
 ) -> Tensor<2> {
     Tensor::from_dispatch(<Dispatch as NormedProjectionBackend>::normed_projection(
         rows.into_dispatch(),
         weights.into_dispatch(),
         scale,
+        deferred.cloned(),
     ))
 }
 
@@ -112,7 +122,7 @@ fn forward_rows<E: Scalar>(x: &[E], wt: &[E], width: usize, scale: RowScale, out
     }
 }
 
-/// The backward of one task's rows, portable: `∂x` into `grad_x` (`[r, w]`), `∂Wᵀ` added to
+/// The backward of one task's rows, portable: `∂x` added to `grad_x` (`[r, w]`), `∂Wᵀ` added to
 /// `grad_wt` (`[C, w]`); `scaled` is scratch space for `s_r ∂P_r` (`[r, C]`).
 #[allow(clippy::too_many_arguments)]
 fn backward_rows<E: Scalar>(
@@ -136,9 +146,7 @@ fn backward_rows<E: Scalar>(
         // x W · ∂P = (P · ∂P) / s.
         let coefficient = from_f64::<E>(slope * to_f64(dot(p, g)) / s);
         let s = from_f64::<E>(s);
-        for (grad_x, &x) in grad_x.iter_mut().zip(x) {
-            *grad_x = coefficient * x;
-        }
+        axpy(grad_x, coefficient, x);
         for ((scaled, &g), (row, grad_row)) in scaled
             .iter_mut()
             .zip(g)
@@ -337,7 +345,7 @@ mod avx2 {
         }
     }
 
-    /// `∂x_r = coefficient_r x_r + Σ_c (s_r ∂P_rc) Wᵀ_c` for rows `first..first + N`.
+    /// `∂x_r += coefficient_r x_r + Σ_c (s_r ∂P_rc) Wᵀ_c` for rows `first..first + N`.
     #[target_feature(enable = "avx2,fma")]
     fn input_block<const N: usize>(
         x: &[f32],
@@ -354,7 +362,8 @@ mod avx2 {
         for k in (0..split).step_by(8) {
             let mut sums: [__m256; N] = std::array::from_fn(|i| {
                 let start = _mm256_set1_ps(coefficients[first + i]);
-                _mm256_mul_ps(start, load(x, (first + i) * width + k))
+                let at = (first + i) * width + k;
+                _mm256_fmadd_ps(start, load(x, at), load(grad_x, at))
             });
             for c in 0..columns {
                 let w = load(wt, c * width + k);
@@ -369,7 +378,7 @@ mod avx2 {
         for i in 0..N {
             let r = first + i;
             for k in split..width {
-                let mut sum = coefficients[r] * x[r * width + k];
+                let mut sum = grad_x[r * width + k] + coefficients[r] * x[r * width + k];
                 for c in 0..columns {
                     sum += sg(i, c) * wt[c * width + k];
                 }
@@ -399,12 +408,14 @@ fn forward<E: RowKernels>(rows: &FlexTensor, weights: &FlexTensor, scale: RowSca
     tensor(out, [count, columns])
 }
 
+/// The gradients of the rows (plus the parts of the units' gradient in `deferred`) and of `W`.
 fn backward<E: RowKernels>(
     rows: &FlexTensor,
     weights: &FlexTensor,
     projection: &FlexTensor,
     grad: &FlexTensor,
     scale: RowScale,
+    deferred: &DeferredTerms<'_, E>,
 ) -> (FlexTensor, FlexTensor) {
     let [count, width] = dims::<2>(rows);
     let (wt, columns) = transposed::<E>(weights);
@@ -413,21 +424,36 @@ fn backward<E: RowKernels>(
         values::<E>(projection),
         values::<E>(grad),
     );
+    // Tasks take whole tokens of the units (HC's rows are units, `U` per token; mHC's are
+    // tokens), so that each adds the deferred parts of its own tokens.
+    let token_len = deferred.token_len();
+    let rows_per_task = if deferred.is_empty() || width == 0 {
+        ROWS_PER_TASK
+    } else {
+        assert!(
+            token_len.is_multiple_of(width) && (count * width).is_multiple_of(token_len),
+            "normed projection: rows of {width} are not whole tokens of {token_len}"
+        );
+        ROWS_PER_TASK.next_multiple_of(token_len / width)
+    };
+    let first_token = |task: usize| task * rows_per_task * width / token_len.max(1);
     let mut grad_rows = unwritten::<E>(count * width);
     let grad_wt = if columns == 0 || width == 0 {
-        // No projection: the rows get a zero gradient.
-        zeroed(&mut grad_rows);
+        // No projection: the rows get no gradient of their own.
+        deferred.add_to(0, zeroed(&mut grad_rows));
         vec![E::zero(); columns * width]
     } else {
         grad_rows
-            .par_chunks_mut(ROWS_PER_TASK * width)
-            .zip(x.par_chunks(ROWS_PER_TASK * width))
-            .zip(p.par_chunks(ROWS_PER_TASK * columns))
-            .zip(g.par_chunks(ROWS_PER_TASK * columns))
+            .par_chunks_mut(rows_per_task * width)
+            .zip(x.par_chunks(rows_per_task * width))
+            .zip(p.par_chunks(rows_per_task * columns))
+            .zip(g.par_chunks(rows_per_task * columns))
+            .enumerate()
             .fold(
                 || vec![E::zero(); columns * width],
-                |mut grad_wt, (((grad_x, x), p), g)| {
+                |mut grad_wt, (task, (((grad_x, x), p), g))| {
                     let grad_x = zeroed(grad_x);
+                    deferred.add_to(first_token(task), grad_x);
                     let mut scaled = vec![E::zero(); p.len()];
                     E::backward_rows(
                         x,
@@ -465,7 +491,12 @@ fn backward<E: RowKernels>(
 }
 
 impl NormedProjectionBackend for Flex {
-    fn normed_projection(rows: FlexTensor, weights: FlexTensor, scale: RowScale) -> FlexTensor {
+    fn normed_projection(
+        rows: FlexTensor,
+        weights: FlexTensor,
+        scale: RowScale,
+        _deferred: Option<UnitsGradient>,
+    ) -> FlexTensor {
         match rows.dtype() {
             DType::F32 => forward::<f32>(&rows, &weights, scale),
             DType::F64 => forward::<f64>(&rows, &weights, scale),
@@ -479,21 +510,30 @@ impl NormedProjectionBackend for Flex {
         projection: FlexTensor,
         grad: FlexTensor,
         scale: RowScale,
+        deferred: Option<UnitsGradient>,
     ) -> (FlexTensor, FlexTensor) {
+        let terms = deferred.map(|deferred| deferred.take()).unwrap_or_default();
         match rows.dtype() {
-            DType::F32 => backward::<f32>(&rows, &weights, &projection, &grad, scale),
-            DType::F64 => backward::<f64>(&rows, &weights, &projection, &grad, scale),
+            DType::F32 => {
+                let deferred = DeferredTerms::<f32>::new(&terms);
+                backward(&rows, &weights, &projection, &grad, scale, &deferred)
+            }
+            DType::F64 => {
+                let deferred = DeferredTerms::<f64>::new(&terms);
+                backward(&rows, &weights, &projection, &grad, scale, &deferred)
+            }
             other => panic!("normed projection: unsupported dtype {other:?}"),
         }
     }
 }
 
-/// `s(‖x_r‖) x_r W`: parents `[x, W]`; the state keeps both and the (small) output.
+/// `s(‖x_r‖) x_r W`: parents `[x, W]`; the state keeps both, the (small) output and the units'
+/// gradient slot it claimed.
 #[derive(Debug)]
 struct NormedProjection;
 
 impl<B: NormedProjectionBackend> Backward<B, 2> for NormedProjection {
-    type State = ([NodeId; 2], FloatTensor<B>, RowScale);
+    type State = ([NodeId; 2], FloatTensor<B>, RowScale, Option<UnitsGradient>);
 
     fn backward(
         self,
@@ -502,10 +542,10 @@ impl<B: NormedProjectionBackend> Backward<B, 2> for NormedProjection {
         checkpointer: &mut Checkpointer,
     ) {
         let grad = grads.consume::<B>(&ops.node);
-        let (nodes, projection, scale) = ops.state;
+        let (nodes, projection, scale, deferred) = ops.state;
         let [rows, weights] = nodes.map(|id| checkpointer.retrieve_node_output(id));
         let (grad_rows, grad_weights) =
-            B::normed_projection_backward(rows, weights, projection, grad, scale);
+            B::normed_projection_backward(rows, weights, projection, grad, scale, deferred);
         register_tracked!(grads, ops.parents, [grad_rows, grad_weights]);
     }
 }
@@ -515,6 +555,7 @@ impl<B: NormedProjectionBackend, C: CheckpointStrategy> NormedProjectionBackend 
         rows: FloatTensor<Self>,
         weights: FloatTensor<Self>,
         scale: RowScale,
+        deferred: Option<UnitsGradient>,
     ) -> FloatTensor<Self> {
         match NormedProjection
             .prepare::<C>([rows.node(), weights.node()])
@@ -522,15 +563,23 @@ impl<B: NormedProjectionBackend, C: CheckpointStrategy> NormedProjectionBackend 
             .stateful()
         {
             OpsKind::Tracked(mut prep) => {
+                if let Some(deferred) = &deferred {
+                    deferred.claim();
+                }
                 let nodes = [prep.checkpoint(&rows), prep.checkpoint(&weights)];
-                let output =
-                    B::normed_projection(rows.into_primitive(), weights.into_primitive(), scale);
-                prep.finish((nodes, output.clone(), scale), output)
+                let output = B::normed_projection(
+                    rows.into_primitive(),
+                    weights.into_primitive(),
+                    scale,
+                    None,
+                );
+                prep.finish((nodes, output.clone(), scale, deferred), output)
             }
             OpsKind::UnTracked(prep) => prep.finish(B::normed_projection(
                 rows.into_primitive(),
                 weights.into_primitive(),
                 scale,
+                None,
             )),
         }
     }
@@ -541,6 +590,7 @@ impl<B: NormedProjectionBackend, C: CheckpointStrategy> NormedProjectionBackend 
         projection: FloatTensor<Self>,
         grad: FloatTensor<Self>,
         scale: RowScale,
+        deferred: Option<UnitsGradient>,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
         // First-order only: the gradients are constants to the graph.
         let (grad_rows, grad_weights) = B::normed_projection_backward(
@@ -549,6 +599,7 @@ impl<B: NormedProjectionBackend, C: CheckpointStrategy> NormedProjectionBackend 
             projection.into_primitive(),
             grad.into_primitive(),
             scale,
+            deferred,
         );
         let constant = <Self as burn::backend::AutodiffBackend>::from_inner;
         (constant(grad_rows), constant(grad_weights))
@@ -609,7 +660,7 @@ mod tests {
                 let run = |fused: bool| {
                     let (x, w) = (rows.clone().require_grad(), weights.clone().require_grad());
                     let output = if fused {
-                        fused_normed_projection(x.clone(), w.clone(), scale)
+                        fused_normed_projection(x.clone(), w.clone(), scale, None)
                     } else {
                         composed_normed_projection(x.clone(), w.clone(), scale)
                     };

@@ -16,6 +16,12 @@
 //! temporaries per unit; here the forward reads `S` and `h` once and writes `out` once, and the
 //! backward reads `∂out`, `S`, `h` once and writes `∂S`, `∂h` once. Flex only (f32 and f64):
 //! Burn's fusion already merges the composed form into one kernel on the CubeCL backends.
+//!
+//! A layer's units feed three ops: the normalised projection that makes its token-dependent
+//! connections, the mix into the block input and the residual mix. With a [`UnitsGradient`]
+//! claimed by the projection, the mixes' backward passes leave `(W, ∂out)` there rather than
+//! writing `∂S` each, and the projection's backward writes the whole `∂S` in its own pass over
+//! the units (see [`UnitsGradient`]).
 
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
@@ -28,9 +34,13 @@ use burn::tensor::{DType, Tensor};
 use burn_flex::{Flex, FlexTensor};
 use rayon::prelude::*;
 
+use std::borrow::Cow;
 use std::mem::MaybeUninit;
+use std::sync::{Arc, Mutex, MutexGuard};
 
-use super::flex_kernels::{Scalar, axpy, dims, dot, tensor, unwritten, values, written, zeroed};
+use super::flex_kernels::{
+    Scalar, add_weighted_sum, dims, dots, tensor, unwritten, values, written, zeroed,
+};
 
 /// Tokens per parallel task: enough work (tens of kB) to amortise the task.
 const TOKENS_PER_TASK: usize = 32;
@@ -38,8 +48,13 @@ const TOKENS_PER_TASK: usize = 32;
 /// The fused stream mixing (see the [module docs](self)).
 #[backend_extension(Flex: cfg(feature = "flex"), Autodiff)]
 pub(crate) trait StreamMixBackend: Backend {
-    /// `out = W S`: `weights [T | 1, R, U]`, `units [T, U, w]`; `out [T, R, w]`.
-    fn stream_mix(weights: FloatTensor<Self>, units: FloatTensor<Self>) -> FloatTensor<Self>;
+    /// `out = W S`: `weights [T | 1, R, U]`, `units [T, U, w]`; `out [T, R, w]`. Under autodiff
+    /// the backward leaves its part of `∂S` in `deferred` when that is claimed.
+    fn stream_mix(
+        weights: FloatTensor<Self>,
+        units: FloatTensor<Self>,
+        deferred: Option<UnitsGradient>,
+    ) -> FloatTensor<Self>;
 
     /// `out = W S + β h`, with `beta [T | 1, R, 1]` and `branch [T, V, w]` (`V` divides `R`).
     fn stream_mix_add(
@@ -47,18 +62,21 @@ pub(crate) trait StreamMixBackend: Backend {
         units: FloatTensor<Self>,
         beta: FloatTensor<Self>,
         branch: FloatTensor<Self>,
+        deferred: Option<UnitsGradient>,
     ) -> FloatTensor<Self>;
 
     /// The gradients of `weights` and `units` of [`stream_mix`](Self::stream_mix), given the
-    /// gradient of the output.
+    /// gradient of the output; `None` for `units` where it was left in `deferred`.
     fn stream_mix_backward(
         weights: FloatTensor<Self>,
         units: FloatTensor<Self>,
         grad: FloatTensor<Self>,
-    ) -> (FloatTensor<Self>, FloatTensor<Self>);
+        deferred: Option<UnitsGradient>,
+    ) -> (FloatTensor<Self>, Option<FloatTensor<Self>>);
 
     /// The gradients of `weights`, `units`, `beta` and `branch` of
-    /// [`stream_mix_add`](Self::stream_mix_add), each shaped like its input.
+    /// [`stream_mix_add`](Self::stream_mix_add), each shaped like its input; `None` for `units`
+    /// where it was left in `deferred`.
     #[allow(clippy::type_complexity)]
     fn stream_mix_add_backward(
         weights: FloatTensor<Self>,
@@ -66,12 +84,159 @@ pub(crate) trait StreamMixBackend: Backend {
         beta: FloatTensor<Self>,
         branch: FloatTensor<Self>,
         grad: FloatTensor<Self>,
+        deferred: Option<UnitsGradient>,
     ) -> (
         FloatTensor<Self>,
-        FloatTensor<Self>,
+        Option<FloatTensor<Self>>,
         FloatTensor<Self>,
         FloatTensor<Self>,
     );
+}
+
+/// The gradient of one layer's units `S`, written in one pass by the op that reads them first.
+///
+/// The units of a layer with token-dependent connections feed three ops: the normalised
+/// projection that makes the connections (created first), the mix into the block input, and
+/// the residual mix (created last, once the block's output exists). Both mixes' weights are
+/// computed from the projection, so whenever the autodiff graph runs a mix's backward it also
+/// runs the projection's, and later (it is deeper in the graph). The projection claims the slot
+/// in its forward pass; a mix whose backward finds it claimed leaves `(W, ∂out)` here instead of
+/// writing `∂S = Wᵀ ∂out`, and the projection's backward writes `∂S` once: its own term plus
+/// every `Wᵀ ∂out` left, token by token in cache. Otherwise each of the three wrote a full-size
+/// `∂S` and autodiff added them up, two more full-size passes. A mix that runs after the
+/// projection's backward (no such order is known, but it would be a silent error) writes its own.
+#[derive(Clone, Default)]
+pub(crate) struct UnitsGradient(Arc<Mutex<Deferred>>);
+
+#[derive(Default)]
+struct Deferred {
+    /// Claimed by the projection, whose backward writes `∂S`.
+    claimed: bool,
+    /// The projection's backward has run.
+    taken: bool,
+    /// `(W [T | 1, R, U], ∂out [T, R, w])` of each mix that left its part.
+    terms: Vec<(FlexTensor, FlexTensor)>,
+}
+
+impl std::fmt::Debug for UnitsGradient {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let deferred = self.lock();
+        f.debug_struct("UnitsGradient")
+            .field("claimed", &deferred.claimed)
+            .field("taken", &deferred.taken)
+            .field("terms", &deferred.terms.len())
+            .finish()
+    }
+}
+
+impl UnitsGradient {
+    fn lock(&self) -> MutexGuard<'_, Deferred> {
+        self.0
+            .lock()
+            .expect("no op panics while holding the units' gradient")
+    }
+
+    /// Called by the projection's forward under autodiff: its backward will write `∂S`.
+    pub(crate) fn claim(&self) {
+        self.lock().claimed = true;
+    }
+
+    /// Whether a mix's backward may leave its part here.
+    fn accepts(&self) -> bool {
+        let deferred = self.lock();
+        deferred.claimed && !deferred.taken
+    }
+
+    fn leave(&self, weights: FlexTensor, grad: FlexTensor) {
+        self.lock().terms.push((weights, grad));
+    }
+
+    /// The parts left so far, for the projection's backward; later mixes write their own.
+    pub(crate) fn take(&self) -> Vec<(FlexTensor, FlexTensor)> {
+        let mut deferred = self.lock();
+        deferred.taken = true;
+        std::mem::take(&mut deferred.terms)
+    }
+}
+
+/// The parts of `∂S` left in a [`UnitsGradient`], as values: `Σ_terms Wᵀ ∂out` per token.
+pub(crate) struct DeferredTerms<'a, E: Scalar> {
+    terms: Vec<DeferredTerm<'a, E>>,
+    units: usize,
+    width: usize,
+}
+
+/// One mix's part: `W` (`[T | 1, R, U]`) and `∂out` (`[T, R, w]`).
+struct DeferredTerm<'a, E: Scalar> {
+    weights: Cow<'a, [E]>,
+    per_token: bool,
+    rows: usize,
+    grad: Cow<'a, [E]>,
+}
+
+impl<'a, E: Scalar> DeferredTerms<'a, E> {
+    pub(crate) fn new(terms: &'a [(FlexTensor, FlexTensor)]) -> Self {
+        let (mut units, mut width) = (0, 0);
+        let terms = terms
+            .iter()
+            .map(|(weights, grad)| {
+                let [weight_tokens, rows, count] = dims::<3>(weights);
+                let [tokens, grad_rows, grad_width] = dims::<3>(grad);
+                assert_eq!(rows, grad_rows, "deferred units gradient: rows");
+                assert!(
+                    (units, width) == (0, 0) || (units, width) == (count, grad_width),
+                    "deferred units gradient: every term over the same units"
+                );
+                (units, width) = (count, grad_width);
+                let per_token = weight_tokens == tokens && tokens > 1;
+                DeferredTerm {
+                    weights: values::<E>(weights),
+                    per_token,
+                    rows,
+                    grad: values::<E>(grad),
+                }
+            })
+            .collect();
+        Self {
+            terms,
+            units,
+            width,
+        }
+    }
+
+    pub(crate) fn is_empty(&self) -> bool {
+        self.terms.is_empty()
+    }
+
+    /// Elements per token (`U w`); 0 without terms.
+    pub(crate) fn token_len(&self) -> usize {
+        self.units * self.width
+    }
+
+    /// Adds `Σ_terms Σ_r W[t, r, u] ∂out[t, r]` to `out`, the units `[.., U, w]` of the tokens
+    /// from `first`.
+    pub(crate) fn add_to(&self, first: usize, out: &mut [E]) {
+        let (count, width) = (self.units, self.width);
+        if self.is_empty() || count * width == 0 {
+            return;
+        }
+        let mut sum: Vec<(E, &[E])> = Vec::new();
+        for (offset, out) in out.chunks_exact_mut(count * width).enumerate() {
+            let t = first + offset;
+            for (u, unit) in out.chunks_exact_mut(width).enumerate() {
+                sum.clear();
+                for term in &self.terms {
+                    let rows = term.rows;
+                    let first_weight = if term.per_token { t * rows * count } else { 0 };
+                    let w = &term.weights[first_weight..][..rows * count];
+                    let g = &term.grad[t * rows * width..][..rows * width];
+                    let g_rows = g.chunks_exact(width).enumerate();
+                    sum.extend(g_rows.map(|(r, g_row)| (w[r * count + u], g_row)));
+                }
+                add_weighted_sum(unit, &sum);
+            }
+        }
+    }
 }
 
 /// `W S (+ β h)` through the fused op; only for Flex devices in f32 or f64.
@@ -79,16 +244,19 @@ pub(crate) fn fused_stream_mix(
     weights: Tensor<3>,
     units: Tensor<3>,
     addend: Option<(Tensor<3>, Tensor<3>)>,
+    deferred: Option<&UnitsGradient>,
 ) -> Tensor<3> {
     let (weights, units) = (weights.into_dispatch(), units.into_dispatch());
+    let deferred = deferred.cloned();
     let output = match addend {
         Some((beta, branch)) => <Dispatch as StreamMixBackend>::stream_mix_add(
             weights,
             units,
             beta.into_dispatch(),
             branch.into_dispatch(),
+            deferred,
         ),
-        None => <Dispatch as StreamMixBackend>::stream_mix(weights, units),
+        None => <Dispatch as StreamMixBackend>::stream_mix(weights, units, deferred),
     };
     Tensor::from_dispatch(output)
 }
@@ -187,18 +355,20 @@ fn forward<E: Scalar>(
         .enumerate()
         .for_each(|(task, out)| {
             let out = zeroed(out);
+            let mut sum: Vec<(E, &[E])> = Vec::with_capacity(count + 1);
             for (offset, out) in out.chunks_exact_mut(rows * width).enumerate() {
                 let t = task * TOKENS_PER_TASK + offset;
                 let s = &s[t * count * width..][..count * width];
                 let w = &w[dims.weights_of(t)..][..rows * count];
                 for (r, row) in out.chunks_exact_mut(width).enumerate() {
+                    sum.clear();
                     if let Some((beta, branch)) = &addend {
                         let h = &branch[(t * views + r % views) * width..][..width];
-                        axpy(row, beta[dims.beta_of(t) + r], h);
+                        sum.push((beta[dims.beta_of(t) + r], h));
                     }
-                    for (u, unit) in s.chunks_exact(width).enumerate() {
-                        axpy(row, w[r * count + u], unit);
-                    }
+                    let units = s.chunks_exact(width).enumerate();
+                    sum.extend(units.map(|(u, unit)| (w[r * count + u], unit)));
+                    add_weighted_sum(row, &sum);
                 }
             }
         });
@@ -221,15 +391,17 @@ fn reduce_tokens<E: Scalar>(per_token: Vec<E>, k: usize, keep: bool, tokens: usi
     tensor(total, [1, k, 1])
 }
 
+/// The gradients of `W`, `S` (unless `with_units` is off), `β` and `h` (with the addend).
 #[allow(clippy::type_complexity)]
 fn backward<E: Scalar>(
     weights: &FlexTensor,
     units: &FlexTensor,
     addend: Option<(&FlexTensor, &FlexTensor)>,
     grad: &FlexTensor,
+    with_units: bool,
 ) -> (
     FlexTensor,
-    FlexTensor,
+    Option<FlexTensor>,
     Option<FlexTensor>,
     Option<FlexTensor>,
 ) {
@@ -245,62 +417,93 @@ fn backward<E: Scalar>(
     let (w, s, g) = (values::<E>(weights), values::<E>(units), values::<E>(grad));
     let addend = addend.map(|(beta, branch)| (values::<E>(beta), values::<E>(branch)));
     let with_addend = addend.is_some();
-    let mut grad_units = unwritten::<E>(tokens * count * width);
     let mut grad_weights = vec![E::zero(); tokens * rows * count];
-    // Without the addend its gradients are empty: every task gets an empty slice of them.
+    // The gradients not asked for are empty: every task gets an empty slice of them.
+    let units_len = if with_units {
+        tokens * count * width
+    } else {
+        0
+    };
     let (beta_len, branch_len) = if with_addend {
         (tokens * rows, tokens * views * width)
     } else {
         (0, 0)
     };
+    let mut grad_units = unwritten::<E>(units_len);
     let mut grad_beta = vec![E::zero(); beta_len];
     let mut grad_branch = unwritten::<E>(branch_len);
+    let task_count = tokens.div_ceil(TOKENS_PER_TASK);
+    let mut units_tasks: Vec<&mut [MaybeUninit<E>]> = grad_units
+        .chunks_mut(TOKENS_PER_TASK * count * width)
+        .collect();
     let mut beta_tasks: Vec<&mut [E]> = grad_beta.chunks_mut(TOKENS_PER_TASK * rows).collect();
     let mut branch_tasks: Vec<&mut [MaybeUninit<E>]> = grad_branch
         .chunks_mut(TOKENS_PER_TASK * views * width)
         .collect();
-    let task_count = tokens.div_ceil(TOKENS_PER_TASK);
+    units_tasks.resize_with(task_count, || &mut []);
     beta_tasks.resize_with(task_count, || &mut []);
     branch_tasks.resize_with(task_count, || &mut []);
-    grad_units
-        .par_chunks_mut(TOKENS_PER_TASK * count * width)
-        .zip(grad_weights.par_chunks_mut(TOKENS_PER_TASK * rows * count))
+    grad_weights
+        .par_chunks_mut(TOKENS_PER_TASK * rows * count)
+        .zip(units_tasks.into_par_iter())
         .zip(beta_tasks.into_par_iter())
         .zip(branch_tasks.into_par_iter())
         .enumerate()
         .for_each(
-            |(task, (((grad_units, grad_weights), grad_beta), grad_branch))| {
+            |(task, (((grad_weights, grad_units), grad_beta), grad_branch))| {
                 let (grad_units, grad_branch) = (zeroed(grad_units), zeroed(grad_branch));
                 let first = task * TOKENS_PER_TASK;
-                let task_tokens = grad_units.len() / (count * width);
+                let task_tokens = grad_weights.len() / (rows * count);
+                // Scratch: the vectors a row of ∂out is dotted with, the products, and the
+                // terms of one weighted sum.
+                let mut vectors: Vec<&[E]> = Vec::with_capacity(count + 1);
+                let mut products = vec![E::zero(); count + 1];
+                let mut sum: Vec<(E, &[E])> = Vec::with_capacity(rows);
                 for offset in 0..task_tokens {
                     let t = first + offset;
                     let s = &s[t * count * width..][..count * width];
                     let w = &w[dims.weights_of(t)..][..rows * count];
                     let g = &g[t * rows * width..][..rows * width];
-                    let grad_s = &mut grad_units[offset * count * width..][..count * width];
                     let grad_w = &mut grad_weights[offset * rows * count..][..rows * count];
+                    // ∂W[r, u] = ⟨∂out_r, S_u⟩ and ∂β_r = ⟨∂out_r, h_{r mod V}⟩, row by row.
                     for (r, g_row) in g.chunks_exact(width).enumerate() {
-                        for (u, (unit, grad_unit)) in s
-                            .chunks_exact(width)
-                            .zip(grad_s.chunks_exact_mut(width))
-                            .enumerate()
-                        {
-                            axpy(grad_unit, w[r * count + u], g_row);
-                            grad_w[r * count + u] = dot(g_row, unit);
+                        vectors.clear();
+                        vectors.extend(s.chunks_exact(width));
+                        if let Some((_, branch)) = &addend {
+                            vectors.push(&branch[(t * views + r % views) * width..][..width]);
                         }
-                        if let Some((beta, branch)) = &addend {
-                            let f = r % views;
-                            let h = &branch[(t * views + f) * width..][..width];
-                            grad_beta[offset * rows + r] = dot(g_row, h);
-                            let grad_h = &mut grad_branch[(offset * views + f) * width..][..width];
-                            axpy(grad_h, beta[dims.beta_of(t) + r], g_row);
+                        let products = &mut products[..vectors.len()];
+                        dots(g_row, &vectors, products);
+                        grad_w[r * count..][..count].copy_from_slice(&products[..count]);
+                        if addend.is_some() {
+                            grad_beta[offset * rows + r] = products[count];
+                        }
+                    }
+                    // ∂S_u = Σ_r W[r, u] ∂out_r, unit by unit.
+                    if with_units {
+                        let grad_s = &mut grad_units[offset * count * width..][..count * width];
+                        for (u, grad_unit) in grad_s.chunks_exact_mut(width).enumerate() {
+                            sum.clear();
+                            let g_rows = g.chunks_exact(width).enumerate();
+                            sum.extend(g_rows.map(|(r, g_row)| (w[r * count + u], g_row)));
+                            add_weighted_sum(grad_unit, &sum);
+                        }
+                    }
+                    // ∂h_f = Σ_{r mod V = f} β_r ∂out_r, view by view.
+                    if let Some((beta, _)) = &addend {
+                        let grad_h = &mut grad_branch[offset * views * width..][..views * width];
+                        for (f, grad_h) in grad_h.chunks_exact_mut(width).enumerate() {
+                            sum.clear();
+                            let g_rows = g.chunks_exact(width).enumerate().skip(f).step_by(views);
+                            let beta = &beta[dims.beta_of(t)..];
+                            sum.extend(g_rows.map(|(r, g_row)| (beta[r], g_row)));
+                            add_weighted_sum(grad_h, &sum);
                         }
                     }
                 }
             },
         );
-    // SAFETY: the tasks' chunks partition both buffers, and each was zeroed.
+    // SAFETY: the tasks' chunks partition the buffers, and each was zeroed.
     let (grad_units, grad_branch) = unsafe { (written(grad_units), written(grad_branch)) };
     let grad_weights = reduce_tokens(grad_weights, rows * count, dims.weights_per_token, tokens)
         .reshape([if dims.weights_per_token { tokens } else { 1 }, rows, count].into());
@@ -313,7 +516,7 @@ fn backward<E: Scalar>(
     let (grad_beta, grad_branch) = addend.unzip();
     (
         grad_weights,
-        tensor(grad_units, [tokens, count, width]),
+        with_units.then(|| tensor(grad_units, [tokens, count, width])),
         grad_beta,
         grad_branch,
     )
@@ -331,27 +534,40 @@ fn forward_any(
     }
 }
 
+/// [`backward`] for the tensor's float type. With a claimed `deferred`, `(W, ∂out)` go there
+/// and `∂S` is not computed.
 #[allow(clippy::type_complexity)]
 fn backward_any(
-    weights: &FlexTensor,
+    weights: FlexTensor,
     units: &FlexTensor,
     addend: Option<(&FlexTensor, &FlexTensor)>,
-    grad: &FlexTensor,
+    grad: FlexTensor,
+    deferred: Option<UnitsGradient>,
 ) -> (
     FlexTensor,
-    FlexTensor,
+    Option<FlexTensor>,
     Option<FlexTensor>,
     Option<FlexTensor>,
 ) {
-    match units.dtype() {
-        DType::F32 => backward::<f32>(weights, units, addend, grad),
-        DType::F64 => backward::<f64>(weights, units, addend, grad),
+    let deferred = deferred.filter(UnitsGradient::accepts);
+    let with_units = deferred.is_none();
+    let gradients = match units.dtype() {
+        DType::F32 => backward::<f32>(&weights, units, addend, &grad, with_units),
+        DType::F64 => backward::<f64>(&weights, units, addend, &grad, with_units),
         other => panic!("stream mix: unsupported dtype {other:?}"),
+    };
+    if let Some(deferred) = deferred {
+        deferred.leave(weights, grad);
     }
+    gradients
 }
 
 impl StreamMixBackend for Flex {
-    fn stream_mix(weights: FlexTensor, units: FlexTensor) -> FlexTensor {
+    fn stream_mix(
+        weights: FlexTensor,
+        units: FlexTensor,
+        _deferred: Option<UnitsGradient>,
+    ) -> FlexTensor {
         forward_any(&weights, &units, None)
     }
 
@@ -360,6 +576,7 @@ impl StreamMixBackend for Flex {
         units: FlexTensor,
         beta: FlexTensor,
         branch: FlexTensor,
+        _deferred: Option<UnitsGradient>,
     ) -> FlexTensor {
         forward_any(&weights, &units, Some((&beta, &branch)))
     }
@@ -368,8 +585,9 @@ impl StreamMixBackend for Flex {
         weights: FlexTensor,
         units: FlexTensor,
         grad: FlexTensor,
-    ) -> (FlexTensor, FlexTensor) {
-        let (grad_weights, grad_units, _, _) = backward_any(&weights, &units, None, &grad);
+        deferred: Option<UnitsGradient>,
+    ) -> (FlexTensor, Option<FlexTensor>) {
+        let (grad_weights, grad_units, _, _) = backward_any(weights, &units, None, grad, deferred);
         (grad_weights, grad_units)
     }
 
@@ -379,9 +597,10 @@ impl StreamMixBackend for Flex {
         beta: FlexTensor,
         branch: FlexTensor,
         grad: FlexTensor,
-    ) -> (FlexTensor, FlexTensor, FlexTensor, FlexTensor) {
+        deferred: Option<UnitsGradient>,
+    ) -> (FlexTensor, Option<FlexTensor>, FlexTensor, FlexTensor) {
         let (grad_weights, grad_units, grad_beta, grad_branch) =
-            backward_any(&weights, &units, Some((&beta, &branch)), &grad);
+            backward_any(weights, &units, Some((&beta, &branch)), grad, deferred);
         (
             grad_weights,
             grad_units,
@@ -400,7 +619,7 @@ struct Mix;
 struct MixAdd;
 
 impl<B: StreamMixBackend> Backward<B, 2> for Mix {
-    type State = [NodeId; 2];
+    type State = ([NodeId; 2], Option<UnitsGradient>);
 
     fn backward(
         self,
@@ -409,14 +628,18 @@ impl<B: StreamMixBackend> Backward<B, 2> for Mix {
         checkpointer: &mut Checkpointer,
     ) {
         let grad = grads.consume::<B>(&ops.node);
-        let [weights, units] = ops.state.map(|id| checkpointer.retrieve_node_output(id));
-        let (grad_weights, grad_units) = B::stream_mix_backward(weights, units, grad);
-        register_tracked!(grads, ops.parents, [grad_weights, grad_units]);
+        let (nodes, deferred) = ops.state;
+        let [weights, units] = nodes.map(|id| checkpointer.retrieve_node_output(id));
+        let (grad_weights, grad_units) = B::stream_mix_backward(weights, units, grad, deferred);
+        let [weights_parent, units_parent] = ops.parents;
+        register_tracked!(grads, [weights_parent], [grad_weights]);
+        // `∂S` where it was computed, not left in the units' gradient slot.
+        register_tracked!(grads, [units_parent], grad_units);
     }
 }
 
 impl<B: StreamMixBackend> Backward<B, 4> for MixAdd {
-    type State = [NodeId; 4];
+    type State = ([NodeId; 4], Option<UnitsGradient>);
 
     fn backward(
         self,
@@ -425,33 +648,41 @@ impl<B: StreamMixBackend> Backward<B, 4> for MixAdd {
         checkpointer: &mut Checkpointer,
     ) {
         let grad = grads.consume::<B>(&ops.node);
-        let [weights, units, beta, branch] =
-            ops.state.map(|id| checkpointer.retrieve_node_output(id));
+        let (nodes, deferred) = ops.state;
+        let [weights, units, beta, branch] = nodes.map(|id| checkpointer.retrieve_node_output(id));
         let (grad_weights, grad_units, grad_beta, grad_branch) =
-            B::stream_mix_add_backward(weights, units, beta, branch, grad);
+            B::stream_mix_add_backward(weights, units, beta, branch, grad, deferred);
+        let [weights_parent, units_parent, beta_parent, branch_parent] = ops.parents;
         register_tracked!(
             grads,
-            ops.parents,
-            [grad_weights, grad_units, grad_beta, grad_branch]
+            [weights_parent, beta_parent, branch_parent],
+            [grad_weights, grad_beta, grad_branch]
         );
+        // `∂S` where it was computed, not left in the units' gradient slot.
+        register_tracked!(grads, [units_parent], grad_units);
     }
 }
 
 impl<B: StreamMixBackend, C: CheckpointStrategy> StreamMixBackend for Autodiff<B, C> {
-    fn stream_mix(weights: FloatTensor<Self>, units: FloatTensor<Self>) -> FloatTensor<Self> {
+    fn stream_mix(
+        weights: FloatTensor<Self>,
+        units: FloatTensor<Self>,
+        deferred: Option<UnitsGradient>,
+    ) -> FloatTensor<Self> {
         match Mix
             .prepare::<C>([weights.node(), units.node()])
             .compute_bound()
             .stateful()
         {
             OpsKind::Tracked(mut prep) => {
-                let state = [prep.checkpoint(&weights), prep.checkpoint(&units)];
-                let output = B::stream_mix(weights.into_primitive(), units.into_primitive());
-                prep.finish(state, output)
+                let nodes = [prep.checkpoint(&weights), prep.checkpoint(&units)];
+                let output = B::stream_mix(weights.into_primitive(), units.into_primitive(), None);
+                prep.finish((nodes, deferred), output)
             }
             OpsKind::UnTracked(prep) => prep.finish(B::stream_mix(
                 weights.into_primitive(),
                 units.into_primitive(),
+                None,
             )),
         }
     }
@@ -461,11 +692,12 @@ impl<B: StreamMixBackend, C: CheckpointStrategy> StreamMixBackend for Autodiff<B
         units: FloatTensor<Self>,
         beta: FloatTensor<Self>,
         branch: FloatTensor<Self>,
+        deferred: Option<UnitsGradient>,
     ) -> FloatTensor<Self> {
         let nodes = [weights.node(), units.node(), beta.node(), branch.node()];
         match MixAdd.prepare::<C>(nodes).compute_bound().stateful() {
             OpsKind::Tracked(mut prep) => {
-                let state = [
+                let nodes = [
                     prep.checkpoint(&weights),
                     prep.checkpoint(&units),
                     prep.checkpoint(&beta),
@@ -476,14 +708,16 @@ impl<B: StreamMixBackend, C: CheckpointStrategy> StreamMixBackend for Autodiff<B
                     units.into_primitive(),
                     beta.into_primitive(),
                     branch.into_primitive(),
+                    None,
                 );
-                prep.finish(state, output)
+                prep.finish((nodes, deferred), output)
             }
             OpsKind::UnTracked(prep) => prep.finish(B::stream_mix_add(
                 weights.into_primitive(),
                 units.into_primitive(),
                 beta.into_primitive(),
                 branch.into_primitive(),
+                None,
             )),
         }
     }
@@ -494,13 +728,18 @@ impl<B: StreamMixBackend, C: CheckpointStrategy> StreamMixBackend for Autodiff<B
         weights: FloatTensor<Self>,
         units: FloatTensor<Self>,
         grad: FloatTensor<Self>,
-    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        deferred: Option<UnitsGradient>,
+    ) -> (FloatTensor<Self>, Option<FloatTensor<Self>>) {
         let (grad_weights, grad_units) = B::stream_mix_backward(
             weights.into_primitive(),
             units.into_primitive(),
             grad.into_primitive(),
+            deferred,
         );
-        (constant::<B, C>(grad_weights), constant::<B, C>(grad_units))
+        (
+            constant::<B, C>(grad_weights),
+            grad_units.map(constant::<B, C>),
+        )
     }
 
     fn stream_mix_add_backward(
@@ -509,9 +748,10 @@ impl<B: StreamMixBackend, C: CheckpointStrategy> StreamMixBackend for Autodiff<B
         beta: FloatTensor<Self>,
         branch: FloatTensor<Self>,
         grad: FloatTensor<Self>,
+        deferred: Option<UnitsGradient>,
     ) -> (
         FloatTensor<Self>,
-        FloatTensor<Self>,
+        Option<FloatTensor<Self>>,
         FloatTensor<Self>,
         FloatTensor<Self>,
     ) {
@@ -521,10 +761,11 @@ impl<B: StreamMixBackend, C: CheckpointStrategy> StreamMixBackend for Autodiff<B
             beta.into_primitive(),
             branch.into_primitive(),
             grad.into_primitive(),
+            deferred,
         );
         (
             constant::<B, C>(grad_weights),
-            constant::<B, C>(grad_units),
+            grad_units.map(constant::<B, C>),
             constant::<B, C>(grad_beta),
             constant::<B, C>(grad_branch),
         )
@@ -542,8 +783,9 @@ mod tests {
     use burn::prelude::*;
     use burn::tensor::{Distribution, Tolerance};
 
-    use super::fused_stream_mix;
-    use crate::multi_stream::composed_mix;
+    use super::{UnitsGradient, fused_stream_mix};
+    use crate::backend::normed_projection::fused_normed_projection;
+    use crate::multi_stream::{RowScale, composed_mix};
 
     fn random<const D: usize>(shape: [usize; D], device: &Device) -> Tensor<D> {
         Tensor::random(shape, Distribution::Normal(0.0, 1.0), device)
@@ -577,7 +819,7 @@ mod tests {
                 let with = addend.then_some((b, h));
                 let w = w.swap_dims(1, 2);
                 let output = if fused {
-                    fused_stream_mix(w, s, with)
+                    fused_stream_mix(w, s, with, None)
                 } else {
                     composed_mix(w, s, with)
                 };
@@ -598,6 +840,83 @@ mod tests {
             for (fused, composed) in fused_grads.iter().zip(&composed_grads) {
                 assert_eq!(fused.shape(), composed.shape(), "{case}");
                 fused.assert_approx_eq::<f32>(composed, tolerance);
+            }
+        }
+    }
+
+    /// One layer's three readers of its units (the normalised projection, the input mix, the
+    /// residual mix, weights made from the projection as in HC) with the units' gradient slot,
+    /// against the same ops without it: every gradient equal, also when the block ignores its
+    /// input (the input mix off the loss's path) or the residual mix is off it.
+    #[test]
+    fn deferred_units_gradient_matches_separate_gradients() {
+        let device = Device::flex().autodiff();
+        let (tokens, count, width) = (37, 4, 24);
+        let columns = 1 + count + 1;
+        let units_in = random([tokens, count, width], &device);
+        let phi_in = random([width, columns], &device);
+        let constant_in = random([tokens, 1, width], &device);
+        let probes = [
+            random([tokens, 1, width], &device),
+            random([tokens, count, width], &device),
+        ];
+        let scale = RowScale {
+            numerator: (width as f64).sqrt(),
+            offset: 0.0,
+            floor: 1e-12,
+        };
+        for (uses_input, input_in_loss, residual_in_loss) in [
+            (true, false, true),
+            (true, true, true),
+            (false, false, true),
+            (true, true, false),
+        ] {
+            let run = |slot: bool| {
+                let [units, constant] =
+                    [&units_in, &constant_in].map(|tensor| tensor.clone().detach().require_grad());
+                let phi = phi_in.clone().detach().require_grad();
+                let slot = slot.then(UnitsGradient::default);
+                let rows = units.clone().reshape([tokens * count, width]);
+                let projected = fused_normed_projection(rows, phi.clone(), scale, slot.as_ref())
+                    .tanh()
+                    .reshape([tokens, count, columns]);
+                let w_in = projected.clone().narrow(2, 0, 1).swap_dims(1, 2);
+                let w_res = projected.clone().narrow(2, 1, count).swap_dims(1, 2);
+                let beta = projected.narrow(2, 1 + count, 1);
+                let input = fused_stream_mix(w_in, units.clone(), None, slot.as_ref());
+                let branch = if uses_input {
+                    input.clone().sin()
+                } else {
+                    constant.clone()
+                };
+                let next =
+                    fused_stream_mix(w_res, units.clone(), Some((beta, branch)), slot.as_ref());
+                let terms = [
+                    input_in_loss.then(|| (input * probes[0].clone()).sum()),
+                    residual_in_loss.then(|| (next * probes[1].clone()).sum()),
+                ];
+                let loss = terms
+                    .into_iter()
+                    .flatten()
+                    .reduce(|a, b| a + b)
+                    .expect("a loss");
+                let grads = loss.backward();
+                [
+                    units.grad(&grads).map(|grad| grad.into_data()),
+                    phi.grad(&grads).map(|grad| grad.into_data()),
+                    constant.grad(&grads).map(|grad| grad.into_data()),
+                ]
+            };
+            let (deferred, separate) = (run(true), run(false));
+            for (deferred, separate) in deferred.iter().zip(&separate) {
+                match (deferred, separate) {
+                    (Some(deferred), Some(separate)) => deferred.assert_approx_eq::<f32>(
+                        separate,
+                        Tolerance::absolute(1e-5).set_relative(1e-4),
+                    ),
+                    (None, None) => {}
+                    _ => panic!("a gradient in one run only"),
+                }
             }
         }
     }

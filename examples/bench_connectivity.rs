@@ -6,8 +6,9 @@
 //! ```
 //!
 //! `ms` is the median over `--runs` timed runs (`rounds_ms`) after `--warmup` untimed ones, the
-//! variants of a workload timed round-robin (run `r` of each before run `r + 1` of any) so that
-//! the machine's drifts do not favour one of them; `host_peak_mb` the largest growth of heap
+//! variants of a workload timed round-robin (run `r` of each before run `r + 1` of any, each
+//! round starting one variant later) so that neither the machine's drifts nor what ran just
+//! before (a variant that leaves the allocator with much freed memory) favour one of them; `host_peak_mb` the largest growth of heap
 //! memory during a run (all tensor memory on CPU backends; host-side bookkeeping only on GPU
 //! backends). The ratios on stderr are of the medians, with the median and quartiles of the
 //! per-round ratios beside them: their spread is the noise of the comparison.
@@ -144,7 +145,7 @@ fn median(mut values: Vec<f64>) -> f64 {
 
 /// Every work's runs, timed round-robin (run `r` of every work before run `r + 1` of any), so
 /// that drifts of the machine's speed spread over all of them rather than favouring whichever
-/// ran first.
+/// ran first; round `r` starts with work `r mod n`, so that each follows every other in turn.
 fn measure_interleaved<T>(
     device: &Device,
     runs: usize,
@@ -163,9 +164,11 @@ fn measure_interleaved<T>(
         };
         works.len()
     ];
-    for _ in 0..runs {
-        for (timing, work) in timings.iter_mut().zip(works) {
-            let (ms, peak) = run_once(device, *work);
+    for round in 0..runs {
+        for k in 0..works.len() {
+            let index = (round + k) % works.len();
+            let (ms, peak) = run_once(device, works[index]);
+            let timing = &mut timings[index];
             timing.rounds_ms.push(ms);
             timing.peak = timing.peak.max(peak);
         }

@@ -1,6 +1,9 @@
 //! Sinkhorn-Knopp on Flex: the same algorithm as the CubeCL kernels, one matrix at a time on the
 //! CPU (in f64, for f32 and f64 tensors), matrices in parallel. Composed from tensor ops it is
 //! ~`6T` small ops forward and more backward, each costing Flex a dispatch and a fresh buffer.
+//! Each normalisation divides once per line and multiplies its `n` entries by the reciprocal
+//! (an f64 division costs several multiplications), and the backward reuses one task's scratch
+//! buffers for all its matrices.
 
 use burn::tensor::{DType, TensorData};
 use burn_flex::{Flex, FlexTensor};
@@ -36,12 +39,13 @@ impl SinkhornBackend for Flex {
             .zip(input.par_chunks(MATRICES_PER_TASK * n * n))
             .zip(upstream.par_chunks(MATRICES_PER_TASK * n * n))
             .for_each(|((output, input), upstream)| {
+                let mut scratch = Scratch::new(n, iterations);
                 for ((output, input), upstream) in output
                     .chunks_exact_mut(n * n)
                     .zip(input.chunks_exact(n * n))
                     .zip(upstream.chunks_exact(n * n))
                 {
-                    backward(input, upstream, output, n, iterations);
+                    backward(input, upstream, output, n, &mut scratch);
                 }
             });
         tensor(output, &logits)
@@ -100,8 +104,9 @@ fn softmax_rows(logits: &[f64], matrix: &mut [f64], n: usize) {
             *o = (value - largest).exp();
             total += *o;
         }
+        let reciprocal = total.recip();
         for o in out.iter_mut() {
-            *o = *o / total + MHC_EPS;
+            *o = *o * reciprocal + MHC_EPS;
         }
     }
 }
@@ -116,8 +121,9 @@ fn forward(logits: &[f64], matrix: &mut [f64], n: usize, iterations: usize) {
     let normalise = |matrix: &mut [f64], columns: bool| {
         for a in 0..n {
             let total = MHC_EPS + (0..n).map(|b| matrix[at(a, b, n, columns)]).sum::<f64>();
+            let reciprocal = total.recip();
             for b in 0..n {
-                matrix[at(a, b, n, columns)] /= total;
+                matrix[at(a, b, n, columns)] *= reciprocal;
             }
         }
     };
@@ -141,31 +147,58 @@ fn line_and_across<'a>(
     }
 }
 
+/// The backward's buffers for one matrix, reused across the matrices of a task.
+struct Scratch {
+    start: Vec<f64>,
+    row: Vec<f64>,
+    column: Vec<f64>,
+    /// `1 / s_k` of every step `k`, `n` per step.
+    reciprocals: Vec<f64>,
+    grad: Vec<f64>,
+}
+
+impl Scratch {
+    fn new(n: usize, iterations: usize) -> Self {
+        Self {
+            start: vec![0.0; n * n],
+            row: vec![0.0; n],
+            column: vec![0.0; n],
+            reciprocals: vec![0.0; (2 * iterations - 1) * n],
+            grad: vec![0.0; n * n],
+        }
+    }
+}
+
 /// Every iterate is `diag(row) P diag(column)`: rerun the forward keeping each step's
 /// denominators, walk back through them, then through the softmax (see the parent module).
-fn backward(logits: &[f64], upstream: &[f64], output: &mut [f64], n: usize, iterations: usize) {
-    let steps = 2 * iterations - 1;
-    let mut start = vec![0.0; n * n];
-    softmax_rows(logits, &mut start, n);
-    let (mut row, mut column) = (vec![1.0; n], vec![1.0; n]);
-    let mut sums = vec![0.0; steps * n];
+fn backward(logits: &[f64], upstream: &[f64], output: &mut [f64], n: usize, scratch: &mut Scratch) {
+    let Scratch {
+        start,
+        row,
+        column,
+        reciprocals,
+        grad,
+    } = scratch;
+    softmax_rows(logits, start, n);
+    row.fill(1.0);
+    column.fill(1.0);
     // Step k normalises columns when k is even, rows when it is odd.
-    for (k, sums) in sums.chunks_exact_mut(n).enumerate() {
+    for (k, reciprocals) in reciprocals.chunks_exact_mut(n).enumerate() {
         let columns = k % 2 == 0;
-        let (line, across) = line_and_across(columns, &mut row, &mut column);
+        let (line, across) = line_and_across(columns, row, column);
         for a in 0..n {
             let total = MHC_EPS
                 + (0..n)
                     .map(|b| start[at(a, b, n, columns)] * line[a] * across[b])
                     .sum::<f64>();
-            sums[a] = total;
-            line[a] /= total;
+            reciprocals[a] = total.recip();
+            line[a] *= reciprocals[a];
         }
     }
-    let mut grad = upstream.to_vec();
-    for (k, sums) in sums.chunks_exact(n).enumerate().rev() {
+    grad.copy_from_slice(upstream);
+    for (k, reciprocals) in reciprocals.chunks_exact(n).enumerate().rev() {
         let columns = k % 2 == 0;
-        let (line, across) = line_and_across(columns, &mut row, &mut column);
+        let (line, across) = line_and_across(columns, row, column);
         for a in 0..n {
             let dot = (0..n)
                 .map(|b| {
@@ -175,9 +208,9 @@ fn backward(logits: &[f64], upstream: &[f64], output: &mut [f64], n: usize, iter
                 .sum::<f64>();
             for b in 0..n {
                 let index = at(a, b, n, columns);
-                grad[index] = (grad[index] - dot) / sums[a];
+                grad[index] = (grad[index] - dot) * reciprocals[a];
             }
-            line[a] *= sums[a];
+            line[a] /= reciprocals[a];
         }
     }
     // Softmax backward, with S = start − ε.

@@ -1,9 +1,15 @@
-//! Sinkhorn-Knopp on Flex: the same algorithm as the CubeCL kernels, one matrix at a time on the
-//! CPU (in f64, for f32 and f64 tensors), matrices in parallel. Composed from tensor ops it is
-//! ~`6T` small ops forward and more backward, each costing Flex a dispatch and a fresh buffer.
-//! Each normalisation divides once per line and multiplies its `n` entries by the reciprocal
-//! (an f64 division costs several multiplications), and the backward reuses one task's scratch
-//! buffers for all its matrices.
+//! Sinkhorn-Knopp on Flex: the same algorithm as the CubeCL kernels on the CPU (in f64, for f32
+//! and f64 tensors), matrices in parallel. Composed from tensor ops it is ~`6T` small ops forward
+//! and more backward, each costing Flex a dispatch and a fresh buffer.
+//!
+//! Every matrix goes through the same sequence of operations, so the loops run on [`LANES`]
+//! matrices at once: entry `e` of four matrices side by side ([`Lanes`]), whose arithmetic the
+//! compiler vectorises and whose four independent chains hide the latency of each step (one
+//! matrix at a time, each normalisation waits on the sum before it). The matrices left over run
+//! one at a time through the same generic code. Each normalisation divides once per line and
+//! multiplies its `n` entries by the reciprocal.
+
+use std::ops::{Add, Div, Mul, Sub};
 
 use burn::tensor::{DType, TensorData};
 use burn_flex::{Flex, FlexTensor};
@@ -16,13 +22,14 @@ use crate::mhc::MHC_EPS;
 /// Matrices per parallel task.
 const MATRICES_PER_TASK: usize = 256;
 
+/// Matrices run side by side.
+const LANES: usize = 4;
+
 impl SinkhornBackend for Flex {
     fn sinkhorn(logits: FlexTensor, n: usize, iterations: usize) -> FlexTensor {
         let input = values(&logits);
         let mut output = vec![0.0; input.len()];
-        per_matrix(&input, &mut output, n, |logits, output| {
-            forward(logits, output, n, iterations);
-        });
+        per_task(&input, None, &mut output, n, &Forward { n, iterations });
         tensor(output, &logits)
     }
 
@@ -34,41 +41,172 @@ impl SinkhornBackend for Flex {
     ) -> FlexTensor {
         let (input, upstream) = (values(&logits), values(&grad));
         let mut output = vec![0.0; input.len()];
-        output
-            .par_chunks_mut(MATRICES_PER_TASK * n * n)
-            .zip(input.par_chunks(MATRICES_PER_TASK * n * n))
-            .zip(upstream.par_chunks(MATRICES_PER_TASK * n * n))
-            .for_each(|((output, input), upstream)| {
-                let mut scratch = Scratch::new(n, iterations);
-                for ((output, input), upstream) in output
-                    .chunks_exact_mut(n * n)
-                    .zip(input.chunks_exact(n * n))
-                    .zip(upstream.chunks_exact(n * n))
-                {
-                    backward(input, upstream, output, n, &mut scratch);
-                }
-            });
+        per_task(
+            &input,
+            Some(&upstream),
+            &mut output,
+            n,
+            &Backward { n, iterations },
+        );
         tensor(output, &logits)
     }
 }
 
-fn per_matrix(
-    input: &[f64],
-    output: &mut [f64],
+/// The values the algorithm runs on: one matrix's entries (`f64`), or the same entry of
+/// [`LANES`] matrices ([`Lanes`]).
+trait Value:
+    Copy + Add<Output = Self> + Sub<Output = Self> + Mul<Output = Self> + Div<Output = Self> + Send
+{
+    fn splat(value: f64) -> Self;
+    fn exp(self) -> Self;
+    fn max(self, other: Self) -> Self;
+}
+
+impl Value for f64 {
+    fn splat(value: f64) -> Self {
+        value
+    }
+
+    fn exp(self) -> Self {
+        f64::exp(self)
+    }
+
+    fn max(self, other: Self) -> Self {
+        f64::max(self, other)
+    }
+}
+
+/// Entry `e` of [`LANES`] matrices.
+#[derive(Clone, Copy, Debug)]
+struct Lanes([f64; LANES]);
+
+impl Lanes {
+    fn zip(self, other: Self, op: impl Fn(f64, f64) -> f64) -> Self {
+        Self(std::array::from_fn(|lane| op(self.0[lane], other.0[lane])))
+    }
+}
+
+impl Add for Lanes {
+    type Output = Self;
+    fn add(self, other: Self) -> Self {
+        self.zip(other, |a, b| a + b)
+    }
+}
+
+impl Sub for Lanes {
+    type Output = Self;
+    fn sub(self, other: Self) -> Self {
+        self.zip(other, |a, b| a - b)
+    }
+}
+
+impl Mul for Lanes {
+    type Output = Self;
+    fn mul(self, other: Self) -> Self {
+        self.zip(other, |a, b| a * b)
+    }
+}
+
+impl Div for Lanes {
+    type Output = Self;
+    fn div(self, other: Self) -> Self {
+        self.zip(other, |a, b| a / b)
+    }
+}
+
+impl Value for Lanes {
+    fn splat(value: f64) -> Self {
+        Self([value; LANES])
+    }
+
+    fn exp(self) -> Self {
+        Self(self.0.map(f64::exp))
+    }
+
+    fn max(self, other: Self) -> Self {
+        self.zip(other, f64::max)
+    }
+}
+
+/// What runs on each matrix (or group of [`LANES`] matrices).
+trait Job: Sync {
+    /// `output` from `logits` (and, backward, the output's gradient `upstream`), `n × n` each.
+    fn run<T: Value>(&self, logits: &[T], upstream: Option<&[T]>, output: &mut [T]);
+}
+
+struct Forward {
     n: usize,
-    run: impl Fn(&[f64], &mut [f64]) + Sync,
-) {
+    iterations: usize,
+}
+
+impl Job for Forward {
+    fn run<T: Value>(&self, logits: &[T], _upstream: Option<&[T]>, output: &mut [T]) {
+        forward(logits, output, self.n, self.iterations);
+    }
+}
+
+struct Backward {
+    n: usize,
+    iterations: usize,
+}
+
+impl Job for Backward {
+    fn run<T: Value>(&self, logits: &[T], upstream: Option<&[T]>, output: &mut [T]) {
+        let upstream = upstream.expect("the backward has the output's gradient");
+        backward(logits, upstream, output, self.n, self.iterations);
+    }
+}
+
+/// `job` on the matrices of `input` (and `upstream`) in parallel tasks; within a task on
+/// [`LANES`] matrices at a time, interleaved entry by entry, and on the rest one at a time.
+fn per_task(input: &[f64], upstream: Option<&[f64]>, output: &mut [f64], n: usize, job: &impl Job) {
+    let size = n * n;
+    if size == 0 {
+        return;
+    }
+    let task = MATRICES_PER_TASK * size;
+    let upstream_tasks: Vec<Option<&[f64]>> = match upstream {
+        Some(upstream) => upstream.chunks(task).map(Some).collect(),
+        None => vec![None; input.len().div_ceil(task)],
+    };
     output
-        .par_chunks_mut(MATRICES_PER_TASK * n * n)
-        .zip(input.par_chunks(MATRICES_PER_TASK * n * n))
-        .for_each(|(output, input)| {
-            for (output, input) in output
-                .chunks_exact_mut(n * n)
-                .zip(input.chunks_exact(n * n))
-            {
-                run(input, output);
+        .par_chunks_mut(task)
+        .zip(input.par_chunks(task))
+        .zip(upstream_tasks.into_par_iter())
+        .for_each(|((output, input), upstream)| {
+            let grouped = input.len() / (LANES * size) * (LANES * size);
+            let zero = Lanes::splat(0.0);
+            let (mut lanes_in, mut lanes_up, mut lanes_out) =
+                (vec![zero; size], vec![zero; size], vec![zero; size]);
+            for start in (0..grouped).step_by(LANES * size) {
+                interleave(&input[start..][..LANES * size], &mut lanes_in);
+                if let Some(upstream) = upstream {
+                    interleave(&upstream[start..][..LANES * size], &mut lanes_up);
+                }
+                job.run(&lanes_in, upstream.map(|_| &lanes_up[..]), &mut lanes_out);
+                for (e, value) in lanes_out.iter().enumerate() {
+                    for (lane, &v) in value.0.iter().enumerate() {
+                        output[start + lane * size + e] = v;
+                    }
+                }
+            }
+            for start in (grouped..input.len()).step_by(size) {
+                let upstream = upstream.map(|upstream| &upstream[start..][..size]);
+                job.run(
+                    &input[start..][..size],
+                    upstream,
+                    &mut output[start..][..size],
+                );
             }
         });
+}
+
+/// Entry `e` of the [`LANES`] matrices of `matrices` into `lanes[e]`.
+fn interleave(matrices: &[f64], lanes: &mut [Lanes]) {
+    let size = lanes.len();
+    for (e, value) in lanes.iter_mut().enumerate() {
+        *value = Lanes(std::array::from_fn(|lane| matrices[lane * size + e]));
+    }
 }
 
 /// The elements of `tensor` as f64.
@@ -95,18 +233,23 @@ fn tensor(values: Vec<f64>, like: &FlexTensor) -> FlexTensor {
     FlexTensor::from_data(data)
 }
 
+/// `Σ_b term(b)` for `b < n`.
+fn sum<T: Value>(n: usize, term: impl Fn(usize) -> T) -> T {
+    (1..n).fold(term(0), |total, b| total + term(b))
+}
+
 /// `matrix ← softmax_rows(logits) + ε`.
-fn softmax_rows(logits: &[f64], matrix: &mut [f64], n: usize) {
+fn softmax_rows<T: Value>(logits: &[T], matrix: &mut [T], n: usize) {
     for (row, out) in logits.chunks_exact(n).zip(matrix.chunks_exact_mut(n)) {
-        let largest = row.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-        let mut total = 0.0;
+        let largest = row[1..]
+            .iter()
+            .fold(row[0], |largest, &value| largest.max(value));
         for (o, &value) in out.iter_mut().zip(row) {
             *o = (value - largest).exp();
-            total += *o;
         }
-        let reciprocal = total.recip();
+        let reciprocal = T::splat(1.0) / sum(n, |b| out[b]);
         for o in out.iter_mut() {
-            *o = *o * reciprocal + MHC_EPS;
+            *o = *o * reciprocal + T::splat(MHC_EPS);
         }
     }
 }
@@ -116,14 +259,15 @@ fn at(a: usize, b: usize, n: usize, columns: bool) -> usize {
     if columns { b * n + a } else { a * n + b }
 }
 
-fn forward(logits: &[f64], matrix: &mut [f64], n: usize, iterations: usize) {
+fn forward<T: Value>(logits: &[T], matrix: &mut [T], n: usize, iterations: usize) {
     softmax_rows(logits, matrix, n);
-    let normalise = |matrix: &mut [f64], columns: bool| {
+    let normalise = |matrix: &mut [T], columns: bool| {
         for a in 0..n {
-            let total = MHC_EPS + (0..n).map(|b| matrix[at(a, b, n, columns)]).sum::<f64>();
-            let reciprocal = total.recip();
+            let total = T::splat(MHC_EPS) + sum(n, |b| matrix[at(a, b, n, columns)]);
+            let reciprocal = T::splat(1.0) / total;
             for b in 0..n {
-                matrix[at(a, b, n, columns)] *= reciprocal;
+                let index = at(a, b, n, columns);
+                matrix[index] = matrix[index] * reciprocal;
             }
         }
     };
@@ -135,11 +279,11 @@ fn forward(logits: &[f64], matrix: &mut [f64], n: usize, iterations: usize) {
 }
 
 /// The scaling a step divides (`column` for a column step) and the one across it.
-fn line_and_across<'a>(
+fn line_and_across<'a, T>(
     columns: bool,
-    row: &'a mut [f64],
-    column: &'a mut [f64],
-) -> (&'a mut [f64], &'a [f64]) {
+    row: &'a mut [T],
+    column: &'a mut [T],
+) -> (&'a mut [T], &'a [T]) {
     if columns {
         (column, row)
     } else {
@@ -147,81 +291,52 @@ fn line_and_across<'a>(
     }
 }
 
-/// The backward's buffers for one matrix, reused across the matrices of a task.
-struct Scratch {
-    start: Vec<f64>,
-    row: Vec<f64>,
-    column: Vec<f64>,
-    /// `1 / s_k` of every step `k`, `n` per step.
-    reciprocals: Vec<f64>,
-    grad: Vec<f64>,
-}
-
-impl Scratch {
-    fn new(n: usize, iterations: usize) -> Self {
-        Self {
-            start: vec![0.0; n * n],
-            row: vec![0.0; n],
-            column: vec![0.0; n],
-            reciprocals: vec![0.0; (2 * iterations - 1) * n],
-            grad: vec![0.0; n * n],
-        }
-    }
-}
-
 /// Every iterate is `diag(row) P diag(column)`: rerun the forward keeping each step's
-/// denominators, walk back through them, then through the softmax (see the parent module).
-fn backward(logits: &[f64], upstream: &[f64], output: &mut [f64], n: usize, scratch: &mut Scratch) {
-    let Scratch {
-        start,
-        row,
-        column,
-        reciprocals,
-        grad,
-    } = scratch;
-    softmax_rows(logits, start, n);
-    row.fill(1.0);
-    column.fill(1.0);
+/// denominators (as reciprocals), walk back through them, then through the softmax (see the
+/// parent module).
+fn backward<T: Value>(logits: &[T], upstream: &[T], output: &mut [T], n: usize, iterations: usize) {
+    let (zero, one) = (T::splat(0.0), T::splat(1.0));
+    let mut start = vec![zero; n * n];
+    softmax_rows(logits, &mut start, n);
+    let (mut row, mut column) = (vec![one; n], vec![one; n]);
+    let mut reciprocals = vec![zero; (2 * iterations - 1) * n];
     // Step k normalises columns when k is even, rows when it is odd.
     for (k, reciprocals) in reciprocals.chunks_exact_mut(n).enumerate() {
         let columns = k % 2 == 0;
-        let (line, across) = line_and_across(columns, row, column);
+        let (line, across) = line_and_across(columns, &mut row, &mut column);
         for a in 0..n {
-            let total = MHC_EPS
-                + (0..n)
-                    .map(|b| start[at(a, b, n, columns)] * line[a] * across[b])
-                    .sum::<f64>();
-            reciprocals[a] = total.recip();
-            line[a] *= reciprocals[a];
+            let total =
+                T::splat(MHC_EPS) + sum(n, |b| start[at(a, b, n, columns)] * line[a] * across[b]);
+            reciprocals[a] = one / total;
+            line[a] = line[a] * reciprocals[a];
         }
     }
-    grad.copy_from_slice(upstream);
+    let mut grad = upstream.to_vec();
     for (k, reciprocals) in reciprocals.chunks_exact(n).enumerate().rev() {
         let columns = k % 2 == 0;
-        let (line, across) = line_and_across(columns, row, column);
+        let (line, across) = line_and_across(columns, &mut row, &mut column);
         for a in 0..n {
-            let dot = (0..n)
-                .map(|b| {
-                    let index = at(a, b, n, columns);
-                    grad[index] * start[index] * line[a] * across[b]
-                })
-                .sum::<f64>();
+            let dot = sum(n, |b| {
+                let index = at(a, b, n, columns);
+                grad[index] * start[index] * line[a] * across[b]
+            });
             for b in 0..n {
                 let index = at(a, b, n, columns);
                 grad[index] = (grad[index] - dot) * reciprocals[a];
             }
-            line[a] /= reciprocals[a];
+            line[a] = line[a] / reciprocals[a];
         }
     }
     // Softmax backward, with S = start − ε.
+    let epsilon = T::splat(MHC_EPS);
     for ((out, grad), start) in output
         .chunks_exact_mut(n)
         .zip(grad.chunks_exact(n))
         .zip(start.chunks_exact(n))
     {
-        let dot: f64 = grad.iter().zip(start).map(|(g, s)| g * (s - MHC_EPS)).sum();
-        for ((o, g), s) in out.iter_mut().zip(grad).zip(start) {
-            *o = (s - MHC_EPS) * (g - dot);
+        let dot = sum(n, |b| grad[b] * (start[b] - epsilon));
+        for ((o, &g), &s) in out.iter_mut().zip(grad).zip(start) {
+            *o = (s - epsilon) * (g - dot);
         }
     }
 }

@@ -920,4 +920,75 @@ mod tests {
             }
         }
     }
+
+    /// Whole HC and mHC stacks (their streams' gradients through the shared slot on Flex) give
+    /// the same gradients under Burn's gradient checkpointing, which recomputes memory-bound
+    /// operations in the backward pass, as without it.
+    #[test]
+    fn gradient_checkpointing_gives_the_same_gradients() {
+        use burn::module::{ModuleMapper, Param};
+
+        use crate::stack::Stack;
+        use crate::test_util::{WIDTH, blocks, gradient, input};
+        use crate::{HyperConnectionsConfig, MhcConfig};
+
+        /// Every float parameter copied onto a device, requiring a gradient.
+        struct OnDevice(Device);
+
+        impl ModuleMapper for OnDevice {
+            fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+                param.map(|tensor| Tensor::from_data(tensor.to_data(), &self.0).require_grad())
+            }
+        }
+
+        let flex = Device::flex();
+        let x = input(&flex);
+        let hc = Stack::new(blocks(4, &flex), &HyperConnectionsConfig::new(WIDTH), &flex).unwrap();
+        let mhc = MhcConfig::new(WIDTH).with_phi_std(0.1).with_alpha_init(0.5);
+        let mhc = Stack::new(blocks(4, &flex), &mhc, &flex).unwrap();
+        let run = |checkpointing: bool| -> Vec<Vec<f64>> {
+            let device = flex.clone().autodiff();
+            let device = if checkpointing {
+                device.gradient_checkpointing()
+            } else {
+                device
+            };
+            let x = Tensor::<3>::from_data(x.to_data(), &device).require_grad();
+            let hc = hc.clone().map(&mut OnDevice(device.clone()));
+            let mhc = mhc.clone().map(&mut OnDevice(device.clone()));
+            let loss =
+                hc.forward(x.clone()).powi_scalar(2).sum() + mhc.forward(x.clone()).tanh().sum();
+            let grads = loss.backward();
+            let mut all = vec![
+                x.grad(&grads)
+                    .expect("x is used")
+                    .into_data()
+                    .iter()
+                    .collect(),
+            ];
+            all.extend(
+                hc.connectivity
+                    .layers
+                    .iter()
+                    .map(|layer| gradient(&layer.static_alpha, &grads)),
+            );
+            all.extend(
+                mhc.connectivity
+                    .layers
+                    .iter()
+                    .map(|layer| gradient(&layer.phi, &grads)),
+            );
+            let blocks = hc.blocks.iter().chain(&mhc.blocks);
+            all.extend(blocks.map(|block| gradient(&block.linear.weight, &grads)));
+            all
+        };
+        let (plain, checkpointed) = (run(false), run(true));
+        assert_eq!(plain.len(), checkpointed.len());
+        for (a, b) in plain.iter().zip(&checkpointed) {
+            assert_eq!(a.len(), b.len());
+            for (a, b) in a.iter().zip(b) {
+                assert!((a - b).abs() <= 1e-5 * (1.0 + a.abs()), "{a} vs {b}");
+            }
+        }
+    }
 }

@@ -64,3 +64,16 @@ pub fn gradient<const D: usize>(
         .iter()
         .collect()
 }
+
+/// Every float parameter copied onto a device, requiring a gradient (for running one model
+/// under several autodiff settings).
+pub struct OnDevice(pub Device);
+
+impl burn::module::ModuleMapper for OnDevice {
+    fn map_float<const D: usize>(
+        &mut self,
+        param: burn::module::Param<Tensor<D>>,
+    ) -> burn::module::Param<Tensor<D>> {
+        param.map(|tensor| Tensor::from_data(tensor.to_data(), &self.0).require_grad())
+    }
+}

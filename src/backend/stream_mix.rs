@@ -926,20 +926,9 @@ mod tests {
     /// operations in the backward pass, as without it.
     #[test]
     fn gradient_checkpointing_gives_the_same_gradients() {
-        use burn::module::{ModuleMapper, Param};
-
         use crate::stack::Stack;
-        use crate::test_util::{WIDTH, blocks, gradient, input};
+        use crate::test_util::{OnDevice, WIDTH, blocks, gradient, input};
         use crate::{HyperConnectionsConfig, MhcConfig};
-
-        /// Every float parameter copied onto a device, requiring a gradient.
-        struct OnDevice(Device);
-
-        impl ModuleMapper for OnDevice {
-            fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
-                param.map(|tensor| Tensor::from_data(tensor.to_data(), &self.0).require_grad())
-            }
-        }
 
         let flex = Device::flex();
         let x = input(&flex);

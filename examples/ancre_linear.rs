@@ -2,7 +2,7 @@
 //! networks.
 //!
 //! ```text
-//! cargo run --release --example ancre_linear [-- --dim 8 --steps 3000 --lr 0.02 --out DIR]
+//! cargo run --release --features plot --example ancre_linear [-- --dim 8 --steps 3000 --lr 0.02 --out DIR]
 //! ```
 //!
 //! A `K`-layer linear network `s_j = s_{j-1} W_j + Σ_i a_ij s_i` is fitted by full-batch
@@ -13,7 +13,7 @@
 //! steps each needs to reach `--target` × the initial loss, and writes the curves to PNG files
 //! (log-scale y).
 
-mod common;
+use burn_connectivity_tools as common;
 
 use std::path::PathBuf;
 use std::process::ExitCode;

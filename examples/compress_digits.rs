@@ -1,7 +1,7 @@
 //! Auto-compression on real handwritten digits: ResNet vs H-ACN.
 //!
 //! ```text
-//! cargo run --release --example compress_digits [-- --tolerance 0.01 --epochs 30 --blocks 16]
+//! cargo run --release --features plot --example compress_digits [-- --tolerance 0.01 --epochs 30 --blocks 16]
 //! ```
 //!
 //! Both models start from the same weights and see the same data. H-ACN's connectivity health
@@ -13,7 +13,7 @@
 //! connectivity matrix, log scale), `compress_hacn_gates.png` (gates during training, from
 //! `compress_hacn_health.jsonl`).
 
-mod common;
+use burn_connectivity_tools as common;
 
 use std::path::{Path, PathBuf};
 

@@ -2,8 +2,8 @@
 //! on one device or with its distributed data-parallel strategy over several CUDA devices.
 //!
 //! ```text
-//! cargo run --release --example ddp_wrap [-- --device flex --epochs 3]
-//! cargo run --release --features cuda --example ddp_wrap -- --device cuda --strategy ddp --devices 2
+//! cargo run --release --features train --example ddp_wrap [-- --device flex --epochs 3]
+//! cargo run --release --features train,cuda --example ddp_wrap -- --device cuda --strategy ddp --devices 2
 //! ```
 //!
 //! The digits are read as sequences of 8 rows of 8 pixels, embedded to width 32, through a
@@ -14,7 +14,7 @@
 //! `--device cuda` (a build with `--features cuda`, one process, `--devices N` GPUs); on other
 //! backends the example says so and exits.
 
-mod common;
+use burn_connectivity_tools as common;
 
 use std::sync::Arc;
 
@@ -249,7 +249,7 @@ impl MetricsRenderer for EpochLines {
 fn strategy(flags: &Flags) -> Result<ExecutionStrategy, String> {
     let name = flags.device.device.clone();
     let count = flags.devices as usize;
-    let devices = burn_connectivity::backend::devices(&name, count)
+    let devices = burn_connectivity::device::devices(&name, count)
         .map_err(|err| format!("--device {name} --devices {count}: {err}"))?;
     let devices: Vec<Device> = devices.into_iter().map(Device::autodiff).collect();
     match flags.strategy {

@@ -15,7 +15,7 @@
 //! prints the validation loss of each model and its layer-wise validation loss: the readout
 //! after `k` layers through the same norm and head. `--help` lists every flag.
 
-mod common;
+use burn_connectivity_tools as common;
 
 use std::process::ExitCode;
 

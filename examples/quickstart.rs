@@ -10,7 +10,7 @@
 //! curve (the readout `y_k` after `k` blocks through the shared head: how much of the model a
 //! truncated copy keeps), the learned gates and Γ.
 
-mod common;
+use burn_connectivity_tools as common;
 
 use std::process::ExitCode;
 

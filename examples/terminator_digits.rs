@@ -9,7 +9,7 @@
 //! Prints progress, test accuracy, parameter counts and time per epoch for each model.
 //! `--help` lists every flag.
 
-mod common;
+use burn_connectivity_tools as common;
 
 use std::process::ExitCode;
 use std::time::Instant;

@@ -1,5 +1,5 @@
 //! ANCRe (Adaptive Neural Connection Reassignment): learned softmax shortcuts over all earlier
-//! block inputs (SPEC §2).
+//! block inputs (MATH §2).
 //!
 //! Every shortcut `i:j` (`0 <= i < j <= K`) has a logit `c_ij`. With the default **ingoing**
 //! normalisation (paper eqs. 7–8):
@@ -26,7 +26,7 @@
 //! In branch outputs, `coef(s_j) = e_j + Σ_{i<j} p_ij coef(s_i)`, so `C[:, j] = coef(s_{j-1})`
 //! and `out = coef(s_K)`.
 //!
-//! **Families** (paper §4.2, "module level"; SPEC §4): with `families = F`, block `j` belongs
+//! **Families** (paper §4.2, "module level"; MATH §4): with `families = F`, block `j` belongs
 //! to family `(j − 1) mod F` and mixes only the inputs of its own family's blocks up to itself:
 //! sources `i < j` with `(j − 1 − i) mod F = 0`, one softmax per family. In a transformer wired
 //! at [`Granularity::Sublayer`](crate::transformer::Granularity) (attention, feed-forward,
@@ -48,9 +48,8 @@ use burn::prelude::*;
 use burn::tensor::activation::softmax;
 
 use crate::backend::{History, fused_history};
-use crate::connectivity::{
-    Connectivity, ConnectivityConfig, Scales, StreamConnectivity, UsedEntries, leading_part,
-};
+use crate::backend::{Scales, UsedEntries};
+use crate::connectivity::{Connectivity, ConnectivityConfig, StreamConnectivity, leading_part};
 use crate::error::{Error, Result, check_depth, check_finite, check_positive, check_size};
 use crate::matrix::ConnectivityMatrix;
 
@@ -63,7 +62,7 @@ pub enum Normalization {
     Outgoing,
 }
 
-/// How the coefficients `p` come from the parameters (the paper's ablations; SPEC §2).
+/// How the coefficients `p` come from the parameters (the paper's ablations; MATH §2).
 #[derive(Config, Debug, Copy, PartialEq, Eq)]
 pub enum Mixing {
     /// `p = softmax(c / τ)` under the [`Normalization`] (the method).

@@ -6,7 +6,7 @@ use burn::prelude::*;
 /// A residual branch `h = f(x)` that maps a rank-`D` tensor to a tensor of the same shape.
 ///
 /// A block never adds its own input back: how block outputs and earlier states are combined
-/// is the [`Connectivity`](crate::Connectivity)'s job (SPEC §0). A pre-norm MLP block is
+/// is the [`Connectivity`](crate::Connectivity)'s job (MATH §0). A pre-norm MLP block is
 /// `f(x) = W₂ GELU(W₁ LN(x))`, not `x + W₂ GELU(W₁ LN(x))`.
 ///
 /// Implement it for your own modules (the orphan rule allows it for foreign Burn modules too,

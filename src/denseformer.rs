@@ -1,5 +1,5 @@
 //! DenseFormer's depth-weighted average (DWA; Pagliardini et al. 2024, epfml/DenseFormer;
-//! SPEC §5.3).
+//! MATH §5.3).
 //!
 //! The blocks keep their own residual; after block `i`, every `period` blocks, the stream is
 //! replaced by a learned weighted average of the states of its dilation group:
@@ -28,10 +28,8 @@
 use burn::module::Param;
 use burn::prelude::*;
 
-use crate::backend::{History, fused_history};
-use crate::connectivity::{
-    Connectivity, ConnectivityConfig, Scales, StreamConnectivity, UsedEntries,
-};
+use crate::backend::{History, Scales, UsedEntries, fused_history};
+use crate::connectivity::{Connectivity, ConnectivityConfig, StreamConnectivity};
 use crate::error::{Error, Result, check_depth, check_size};
 use crate::matrix::ConnectivityMatrix;
 
@@ -345,7 +343,7 @@ mod tests {
         stack
     }
 
-    /// SPEC §5.3 with every state kept.
+    /// MATH §5.3 with every state kept.
     fn history_loop(stack: &Stack<TanhBlock, DenseFormer>, x: Tensor<3>) -> Tensor<3> {
         let weights: std::collections::HashMap<usize, Vec<f64>> =
             stack.connectivity.weight_values().into_iter().collect();

@@ -53,11 +53,11 @@
 //! | [`global_hyperzzw_1d`](crate::hyperzzw::global_hyperzzw_1d) / `_2d`, [`Crop`](crate::hyperzzw::Crop) | eqs. 5–7, `conv(Z, Z ⊙ K)` | decision: FFT with zero padding to a power of two ≥ `2T − 1`, never circular; explicit causal (1D default) or same (2D default) crop |
 //! | [`global_hyperzzw_dot`](crate::hyperzzw::global_hyperzzw_dot) | the 2D reference code's matrix product on square maps | option for parity with the reference |
 //! | [`FftPath`](crate::hyperzzw::FftPath) | — | Burn's FFT on Flex and CubeCL, a matmul DFT elsewhere (NdArray) |
-//! | `LocalHyperZzwConfig { channels, kernel_size, dims, hidden, layers, omega_0 }` | eqs. 8–9: kernels from a pooled, batch-averaged context, s-renorm, depthwise "same" convolution | decision (SPEC 3.3): s-renorm's `a`, `b` learnable and its identity term not detached (the golden gradient agrees); kernel from one tensor may convolve another (MuHKGen) |
+//! | `LocalHyperZzwConfig { channels, kernel_size, dims, hidden, layers, omega_0 }` | eqs. 8–9: kernels from a pooled, batch-averaged context, s-renorm, depthwise "same" convolution | decision (MATH §3.3): s-renorm's `a`, `b` learnable and its identity term not detached (the golden gradient agrees); kernel from one tensor may convolve another (MuHKGen) |
 //! | `SfneBlockConfig { in_channels, expansion, geometry, local_kernel_sizes, groups, …_hidden, layers, omega_0, dropout, crop, channel_mixer, hyper_channel, si_glu, hyper_interaction, global_s_renorm }` | §2.4, Fig. 3: the multi-branch block without residual, bottleneck λ, G-IBS, GELU | the reference's dense cross-block concatenation of earlier outputs is not implemented; branches can be switched off for ablations |
 //! | [`slow_neural_loss`](crate::hyperzzw::slow_neural_loss) | eqs. 11–12 | returned for the user to add |
 //! | `TerminatorConfig { classes, block, expansions }` | the Terminator model | reference λ = 4, 3, 2, 2, 2 |
-//! | `HyperZzwConnectivityConfig { d_model, max_len, local_kernel_sizes, hidden, layers, omega_0, crop, global_s_renorm }` | decision (SPEC 3.5): HyperZZW fusion of `h_j` and `s_{j-1}` in place of the identity shortcut, for `[B, T, d]` stacks | its `C` holds the additive chain only; local branches are not causal |
+//! | `HyperZzwConnectivityConfig { d_model, max_len, local_kernel_sizes, hidden, layers, omega_0, crop, global_s_renorm }` | decision (MATH §3.5): HyperZZW fusion of `h_j` and `s_{j-1}` in place of the identity shortcut, for `[B, T, d]` stacks | its `C` holds the additive chain only; local branches are not causal |
 //!
 //! # Hyper-connections and frac-connections ([`HyperConnectionsConfig`](crate::HyperConnectionsConfig))
 //!
@@ -75,7 +75,7 @@
 //! |---|---|---|
 //! | `streams` n, `width` C | eqs. 14–19 as Megatron-LM computes them: flattened RMS scale, `σ`, `2σ`, Sinkhorn-Knopp | golden `mhc`; `ε = 1e-6` |
 //! | `sinkhorn_iterations` | Sinkhorn-Knopp, differentiated through every iteration | default 20; the public function takes any square batch |
-//! | `phi_std`, `alpha_init` | decision (SPEC §5.2): `φ ~ N(0, σ = 1e-4)`, `α = 0.01`, `b_pre = −ln(n−1)`, `b_post = 0`, `b_res = 5(I − 1)` | within 1e-2 of ResNet at init (tested); with `n = 1`, `b_pre = 0` gives `H_pre = ½` |
+//! | `phi_std`, `alpha_init` | decision (MATH §5.2): `φ ~ N(0, σ = 1e-4)`, `α = 0.01`, `b_pre = −ln(n−1)`, `b_post = 0`, `b_res = 5(I − 1)` | within 1e-2 of ResNet at init (tested); with `n = 1`, `b_pre = 0` gives `H_pre = ½` |
 //! | `reduce` | output `y = mean_k S_k` (default) or the sum | |
 //! | [`Connectivity::matrix`](crate::Connectivity::matrix) | `C` of the static part (`H~ = b`) | [`Mhc::connections`](crate::Mhc::connections) gives the per-token matrices of a batch |
 //!
@@ -90,7 +90,7 @@
 //!
 //! | option | implements | notes |
 //! |---|---|---|
-//! | [`ConnectedEncoder`](crate::transformer::ConnectedEncoder) | SPEC §4: burn-nn encoder layers rewired from their public parts | pre- and post-norm; masks pass through; record paths of `TransformerEncoder` kept |
+//! | [`ConnectedEncoder`](crate::transformer::ConnectedEncoder) | MATH §4: burn-nn encoder layers rewired from their public parts | pre- and post-norm; masks pass through; record paths of `TransformerEncoder` kept |
 //! | `Granularity::Sublayer` with HC / mHC | each attention and feed-forward sublayer is one HC layer (HC paper, Megatron-LM) | |
 //! | `Granularity::Block` with HC / mHC / DWA | decision: the whole layer is one block; multi-stream connectivities feed it `M_0` and write its whole update `T(M_0) − M_0` into the streams; DWA averages after each layer | |
 //! | [`GroupedAdamConfig`](crate::training::GroupedAdamConfig) | the reference codes' parameter groups | connectivity parameters: no weight decay, own learning rate |

@@ -1,5 +1,5 @@
 //! Residual, ACN and H-ACN (Hybrid Auto-Compressing Networks): per-block gates and the long
-//! output sum (SPEC §1).
+//! output sum (MATH §1).
 //!
 //! For blocks `j = 1..L` with gates `a_j`:
 //!
@@ -22,9 +22,8 @@ use burn::module::Param;
 use burn::prelude::*;
 use burn::tensor::Distribution;
 
-use crate::connectivity::{
-    Connectivity, ConnectivityConfig, Scales, StreamConnectivity, UsedEntries, leading_part,
-};
+use crate::backend::{Scales, UsedEntries};
+use crate::connectivity::{Connectivity, ConnectivityConfig, StreamConnectivity, leading_part};
 use crate::error::{Error, Result, check_depth, check_finite, check_non_negative, check_positive};
 use crate::matrix::ConnectivityMatrix;
 

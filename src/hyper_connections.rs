@@ -1,5 +1,5 @@
 //! Hyper-connections (Zhu et al. 2024, "Hyper-Connections", Alg. 2) and frac-connections
-//! (arXiv 2503.14125) as an option of the same module (SPEC §5.1).
+//! (arXiv 2503.14125) as an option of the same module (MATH §5.1).
 //!
 //! `n` residual streams `S = [S_1..S_n]` per token, each of width `d`, start as copies of `x`.
 //! Block `j` reads a mixture of the streams and writes its output back into every stream:
@@ -31,15 +31,15 @@
 //! exact for static HC), run through the recursion of the streams; with fractions, `C[i][j]` is
 //! the coefficient of `h_i`'s fraction `f` in view `f` of block `j`'s input, averaged over `f`.
 //!
-//! [`matrix`]: Connectivity::matrix
+//! [`matrix`]: crate::Connectivity::matrix
 
 use burn::module::Param;
 use burn::prelude::*;
 
-use crate::backend::UnitsGradient;
+use crate::backend::{LayerOps, RowScale};
 use crate::connectivity::ConnectivityConfig;
 use crate::error::{Error, Result, check_size};
-use crate::multi_stream::{self, Layout, Mixing, MixingLayer, RowScale, StreamReduce};
+use crate::multi_stream::{Layout, Mixing, MixingLayer, MultiStream, StreamReduce};
 
 /// Configuration of [`HyperConnections`].
 #[derive(Config, Debug)]
@@ -166,12 +166,7 @@ impl HcLayer {
     }
 
     /// `A` (`[1 | tokens, U, V+U]`) and `B` (`[1 | tokens, U, 1]`).
-    fn connections(
-        &self,
-        units: &Tensor<3>,
-        tanh: bool,
-        deferred: Option<&UnitsGradient>,
-    ) -> (Tensor<3>, Tensor<3>) {
+    fn connections(&self, units: &Tensor<3>, tanh: bool, ops: &LayerOps) -> (Tensor<3>, Tensor<3>) {
         let (count, views) = self.units_and_views();
         let alpha = self.static_alpha.val().unsqueeze::<3>();
         let beta = self.static_beta.val().reshape([1, count, 1]);
@@ -195,7 +190,7 @@ impl HcLayer {
             offset: 0.0,
             floor: 1e-12,
         };
-        let mut projected = multi_stream::normed_projection(rows, weights, scale, deferred);
+        let mut projected = ops.normed_projection(rows, weights, scale);
         if tanh {
             projected = projected.tanh();
         }
@@ -214,14 +209,15 @@ impl HcLayer {
 }
 
 /// The mixing of one [`HcLayer`], with the connectivity's tanh switch.
-struct HcMixing<'a> {
+#[doc(hidden)]
+pub struct HcMixing<'a> {
     layer: &'a HcLayer,
     tanh: bool,
 }
 
 impl MixingLayer for HcMixing<'_> {
-    fn mixing(&self, units: &Tensor<3>, deferred: Option<&UnitsGradient>) -> Mixing {
-        let (alpha, beta) = self.layer.connections(units, self.tanh, deferred);
+    fn mixing(&self, units: &Tensor<3>, ops: &LayerOps) -> Mixing {
+        let (alpha, beta) = self.layer.connections(units, self.tanh, ops);
         Mixing {
             width: alpha.swap_dims(1, 2),
             beta,
@@ -299,7 +295,38 @@ impl HyperConnections {
     }
 }
 
-multi_stream::stream_connectivity!(HyperConnections, "hyper-connections");
+impl MultiStream for HyperConnections {
+    const NAME: &'static str = "hyper-connections";
+
+    type Layer<'a> = HcMixing<'a>;
+
+    fn stream_width(&self) -> usize {
+        self.width
+    }
+
+    fn layout(&self) -> Layout {
+        HyperConnections::layout(self)
+    }
+
+    fn reduce(&self) -> StreamReduce {
+        self.reduce
+    }
+
+    fn num_layers(&self) -> usize {
+        self.layers.len()
+    }
+
+    fn mixing(&self, block: usize) -> Option<HcMixing<'_>> {
+        HyperConnections::mixing(self, block)
+    }
+
+    fn first_layers(&self, depth: usize) -> Self {
+        Self {
+            layers: self.layers[..depth].to_vec(),
+            ..self.clone()
+        }
+    }
+}
 
 #[cfg(test)]
 mod tests {
@@ -346,7 +373,7 @@ mod tests {
         Stack::new(blocks(5, device), config, device).unwrap()
     }
 
-    /// SPEC §5.1 written per stream and per fraction with host loops over `k` and `t`.
+    /// MATH §5.1 written per stream and per fraction with host loops over `k` and `t`.
     fn closed_form(stack: &Stack<TanhBlock, HyperConnections>, x: Tensor<3>) -> Tensor<3> {
         let hc = &stack.connectivity;
         let (n, m) = (hc.streams, hc.fractions);

@@ -3,18 +3,23 @@
 
 mod activation;
 pub mod ancre;
-pub mod backend;
+mod backend;
 mod block;
 pub mod compression;
 mod connectivity;
 pub mod denseformer;
 mod depth_ln;
+pub mod device;
 mod error;
 pub mod guide;
 pub mod hacn;
 pub mod health;
 pub mod hyper_connections;
 pub mod hyperzzw;
+#[doc = include_str!("../docs/MATH.md")]
+///
+/// Source comments and module docs cite its sections as `MATH §N`.
+pub mod math {}
 mod matrix;
 pub mod mhc;
 mod mlp;

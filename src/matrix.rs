@@ -7,7 +7,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
 
-/// The direct layer connectivity matrix `C` plus the output column (SPEC §0, H-ACN eq. 3).
+/// The direct layer connectivity matrix `C` plus the output column (MATH §0, H-ACN eq. 3).
 ///
 /// For a stack of `L` blocks with branch outputs `h_0 = x, h_1..h_L`:
 /// * `matrix[i][j]` (row = source `h_i`, column = target block `j`) is the coefficient of `h_i`

@@ -1,5 +1,5 @@
 //! mHC: manifold-constrained hyper-connections (DeepSeek, arXiv 2512.24880, eqs. 14–19, as
-//! NVIDIA Megatron-LM computes them; SPEC §5.2).
+//! NVIDIA Megatron-LM computes them; MATH §5.2).
 //!
 //! `n` streams of width `C` per token, `S` (`n × C`), flattened stream-major into `x = vec(S)`.
 //! Block `j` has `φ` (`nC × (n²+2n)`), scalars `α_pre, α_post, α_res` and a bias `b`; `ε = 1e-6`:
@@ -18,7 +18,7 @@
 //! normalisations, differentiated through; `H_res` is (close to) doubly stochastic, so the
 //! residual mixing neither amplifies nor attenuates the streams on average.
 //!
-//! **Decision (init, SPEC §5.2)**: `φ ~ N(0, σ = 1e-4)` ([`MhcConfig::phi_std`]), `α_* = 0.01`,
+//! **Decision (init, MATH §5.2)**: `φ ~ N(0, σ = 1e-4)` ([`MhcConfig::phi_std`]), `α_* = 0.01`,
 //! `b_pre = −ln(n−1)` (`H_pre = 1/n`; 0 when `n = 1`, i.e. `H_pre = ½`), `b_post = 0`
 //! (`H_post = 1`), `b_res = 5 (I − 1)` (`H_res ≈ I`): the stack starts within ~1e-2 of ResNet.
 //!
@@ -30,18 +30,18 @@
 //! of a token whose streams vanish (`x = 0`: `H~ = b`), the static part, through the recursion
 //! of the streams; [`Mhc::connections`] gives the exact per-token connections of a batch.
 //!
-//! [`matrix`]: Connectivity::matrix
+//! [`matrix`]: crate::Connectivity::matrix
 
 use burn::module::Param;
 use burn::prelude::*;
 use burn::tensor::Distribution;
 use burn::tensor::activation::{sigmoid, softmax};
 
-use crate::backend::UnitsGradient;
+use crate::backend::{LayerOps, RowScale};
 use crate::connectivity::ConnectivityConfig;
 use crate::error::{Error, Result, check_depth, check_non_negative, check_size};
 use crate::multi_stream::{
-    self, Layout, Mixing, MixingLayer, MultiStreamState, RowScale, StreamReduce,
+    Layout, Mixing, MixingLayer, MultiStream, MultiStreamState, StreamReduce,
 };
 
 /// The `ε` of mHC and of its Sinkhorn-Knopp normalisation.
@@ -88,7 +88,8 @@ fn sinkhorn_unchecked<const D: usize>(logits: Tensor<D>, iterations: usize) -> T
         let dims = logits.dims();
         let n = dims[D - 1];
         let flat = logits.reshape([dims.iter().product::<usize>() / (n * n), n * n]);
-        return crate::backend::sinkhorn::fused_sinkhorn(flat, n, iterations).reshape(dims);
+        return crate::backend::sinkhorn::fused_sinkhorn(flat, n, iterations, MHC_EPS)
+            .reshape(dims);
     }
     sinkhorn_composed(logits, iterations)
 }
@@ -220,7 +221,7 @@ impl MhcLayer {
 
     /// `H_pre`, `H_post`, `H_res` for the streams `[tokens, n, C]`.
     pub fn connections(&self, streams: &Tensor<3>, iterations: usize) -> MhcConnections {
-        self.connections_with(streams, iterations, None)
+        self.connections_with(streams, iterations, &LayerOps::standalone(streams))
     }
 
     /// [`connections`](Self::connections), with the streams' gradient slot for the projection.
@@ -228,7 +229,7 @@ impl MhcLayer {
         &self,
         streams: &Tensor<3>,
         iterations: usize,
-        deferred: Option<&UnitsGradient>,
+        ops: &LayerOps,
     ) -> MhcConnections {
         let [tokens, n, width] = streams.dims();
         let flat = streams.clone().reshape([tokens, n * width]);
@@ -248,8 +249,7 @@ impl MhcLayer {
             0,
         )
         .unsqueeze::<2>();
-        let mixed = multi_stream::normed_projection(flat, self.phi.val(), scale_rows, deferred)
-            * scale
+        let mixed = ops.normed_projection(flat, self.phi.val(), scale_rows) * scale
             + self.bias.val().unsqueeze::<2>();
         let pre = sigmoid(mixed.clone().narrow(1, 0, n)).add_scalar(MHC_EPS);
         let post = sigmoid(mixed.clone().narrow(1, n, n)).mul_scalar(2.0);
@@ -269,17 +269,18 @@ fn mixing(pre: Tensor<2>, post: Tensor<2>, res: Tensor<3>, tokens: usize, n: usi
     }
 }
 
-struct MhcMixing<'a> {
+/// The mixing of one [`MhcLayer`], with the connectivity's iteration count.
+#[doc(hidden)]
+pub struct MhcMixing<'a> {
     layer: &'a MhcLayer,
     iterations: usize,
 }
 
 impl MixingLayer for MhcMixing<'_> {
-    fn mixing(&self, units: &Tensor<3>, deferred: Option<&UnitsGradient>) -> Mixing {
+    fn mixing(&self, units: &Tensor<3>, ops: &LayerOps) -> Mixing {
         let [tokens, n, _] = units.dims();
         let MhcConnections { pre, post, res } =
-            self.layer
-                .connections_with(units, self.iterations, deferred);
+            self.layer.connections_with(units, self.iterations, ops);
         mixing(pre, post, res, tokens, n)
     }
 }
@@ -372,13 +373,90 @@ impl Mhc {
     }
 }
 
-multi_stream::stream_connectivity!(Mhc, "mHC");
+impl MultiStream for Mhc {
+    const NAME: &'static str = "mHC";
+
+    type Layer<'a> = MhcMixing<'a>;
+
+    fn stream_width(&self) -> usize {
+        self.width
+    }
+
+    fn layout(&self) -> Layout {
+        Mhc::layout(self)
+    }
+
+    fn reduce(&self) -> StreamReduce {
+        self.reduce
+    }
+
+    fn num_layers(&self) -> usize {
+        self.layers.len()
+    }
+
+    fn mixing(&self, block: usize) -> Option<MhcMixing<'_>> {
+        Mhc::mixing(self, block)
+    }
+
+    fn first_layers(&self, depth: usize) -> Self {
+        Self {
+            layers: self.layers[..depth].to_vec(),
+            ..self.clone()
+        }
+    }
+}
 
 #[cfg(test)]
 mod tests {
     use burn::tensor::{Distribution, Tolerance};
 
     use super::*;
+
+    /// The fused op against the composed operations on the same device, forward and gradient,
+    /// for several sizes, iteration counts and logit scales.
+    #[cfg(any(feature = "cube-kernels", feature = "flex"))]
+    fn fused_matches_composed(device: &Device) {
+        assert_eq!(MHC_EPS, 1e-6);
+        let device = device.clone().autodiff();
+        for (n, iterations, batch, scale) in [(4, 20, 37, 1.0), (3, 1, 5, 3.0), (2, 7, 300, 0.1)] {
+            let logits =
+                Tensor::<2>::random([batch, n * n], Distribution::Normal(0.0, scale), &device);
+            let weights =
+                Tensor::<2>::random([batch, n * n], Distribution::Normal(0.0, 1.0), &device);
+            let run = |fused: bool| {
+                let leaf = logits.clone().detach().require_grad();
+                let output = if fused {
+                    crate::backend::sinkhorn::fused_sinkhorn(leaf.clone(), n, iterations, MHC_EPS)
+                } else {
+                    sinkhorn_composed(leaf.clone().reshape([batch, n, n]), iterations)
+                        .reshape([batch, n * n])
+                };
+                let grads = (output.clone() * weights.clone()).sum().backward();
+                (output, leaf.grad(&grads).unwrap())
+            };
+            let (fused, fused_grad) = run(true);
+            let (composed, composed_grad) = run(false);
+            let tolerance = burn::tensor::Tolerance::absolute(2e-5).set_relative(1e-4);
+            fused
+                .into_data()
+                .assert_approx_eq::<f32>(&composed.into_data(), tolerance);
+            fused_grad
+                .into_data()
+                .assert_approx_eq::<f32>(&composed_grad.into_data(), tolerance);
+        }
+    }
+
+    #[cfg(feature = "wgpu")]
+    #[test]
+    fn fused_sinkhorn_kernel_matches_the_composed_operations() {
+        fused_matches_composed(&crate::device::device("wgpu").unwrap());
+    }
+
+    #[cfg(feature = "flex")]
+    #[test]
+    fn fused_sinkhorn_flex_op_matches_the_composed_operations() {
+        fused_matches_composed(&Device::flex());
+    }
     use crate::Connectivity;
     use crate::stack::Stack;
     use crate::test_util::{WIDTH, assert_close, blocks, input, residual_loop};

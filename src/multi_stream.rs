@@ -1,6 +1,6 @@
 //! The mechanics shared by the multi-stream connectivities (hyper-connections, frac-connections,
 //! mHC): `U` residual units of width `w` per token, mixed into the block input and into the next
-//! units by per-token matrices (SPEC §5.1–5.2).
+//! units by per-token matrices (MATH §5.1–5.2).
 //!
 //! Every token carries its units as the rows of a `[U, w]` matrix `S`. A layer supplies, for
 //! every token (or once for all tokens when it is static), the transposed width connections
@@ -17,12 +17,14 @@
 //! fraction `f` of stream `k`). The mixing works on the whole `[tokens, U, w]` state at once,
 //! whatever the rank of the streams (tensors of any rank are flattened to tokens × width): one
 //! fused op with its own backward per mixing on Flex, `U` broadcast multiply-adds elsewhere (one
-//! fused kernel on CubeCL; see [`mix`]). The residual mixing waits for the block's output, so that
+//! fused kernel on CubeCL), chosen once per forward pass. The residual mixing waits for the block's output, so that
 //! `A_resᵀ S + β h` is made in one pass.
 
+use burn::module::ModuleDisplay;
 use burn::prelude::*;
 
-use crate::backend::UnitsGradient;
+use crate::backend::{LayerOps, UnitOps};
+use crate::connectivity::{Connectivity, StreamConnectivity};
 use crate::error::{Error, Result};
 use crate::matrix::ConnectivityMatrix;
 
@@ -37,7 +39,7 @@ pub enum StreamReduce {
 
 /// The width and depth connections of one layer, for every token (leading axis = tokens) or for
 /// all of them at once (leading axis 1).
-pub(crate) struct Mixing {
+pub struct Mixing {
     /// `Aᵀ = [A_in | A_res]ᵀ`, `[tokens | 1, V + U, U]`: its first `V` rows make the views, the
     /// others the next units.
     pub width: Tensor<3>,
@@ -46,16 +48,18 @@ pub(crate) struct Mixing {
 }
 
 /// A layer of a multi-stream connectivity: its mixing as a function of the units.
-pub(crate) trait MixingLayer {
-    /// The layer's connections for the units `[tokens, U, w]`; `deferred` is the units' gradient
-    /// slot, for the [`normed_projection`] that reads them.
-    fn mixing(&self, units: &Tensor<3>, deferred: Option<&UnitsGradient>) -> Mixing;
+pub trait MixingLayer {
+    /// The layer's connections for the units `[tokens, U, w]`, computed with the pass's unit
+    /// ops `ops` (its normalised projection, fused or composed as chosen for the whole pass).
+    fn mixing(&self, units: &Tensor<3>, ops: &LayerOps) -> Mixing;
 }
 
 /// The layout of the units: `n` streams of `m` fractions of width `w = d/m`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct Layout {
+pub struct Layout {
+    /// `n`.
     pub streams: usize,
+    /// `m`.
     pub fractions: usize,
 }
 
@@ -89,6 +93,8 @@ pub struct MultiStreamState<const D: usize> {
     shape: [usize; D],
     /// How the units make streams.
     layout: Layout,
+    /// Fused or composed unit ops, chosen once for the whole pass.
+    ops: UnitOps,
     /// The next block's input and the parts of the next units that do not depend on its output;
     /// `None` after the last block.
     next: Option<Prepared<D>>,
@@ -100,8 +106,8 @@ struct Prepared<const D: usize> {
     /// `A_resᵀ`, `[tokens | 1, U, U]`, applied when the block's output arrives.
     residual: Tensor<3>,
     beta: Tensor<3>,
-    /// The units' gradient slot, shared by the layer's projection and both mixes.
-    deferred: Option<UnitsGradient>,
+    /// The layer's ops (their gradient slot is shared by its projection and both mixes).
+    ops: LayerOps,
 }
 
 impl<const D: usize> MultiStreamState<D> {
@@ -140,11 +146,13 @@ pub(crate) fn start<const D: usize>(
         .reshape([tokens, 1, layout.fractions, unit_width])
         .expand([tokens, layout.streams, layout.fractions, unit_width])
         .reshape([tokens, layout.units(), unit_width]);
-    let next = Some(prepare(&units, shape, first));
+    let ops = UnitOps::for_units(&units);
+    let next = Some(prepare(&units, shape, ops, first));
     MultiStreamState {
         units,
         shape,
         layout,
+        ops,
         next,
     }
 }
@@ -152,116 +160,21 @@ pub(crate) fn start<const D: usize>(
 fn prepare<const D: usize>(
     units: &Tensor<3>,
     shape: [usize; D],
+    ops: UnitOps,
     layer: &impl MixingLayer,
 ) -> Prepared<D> {
-    let deferred = crate::backend::units_gradient(units);
-    let Mixing { width, beta } = layer.mixing(units, deferred.as_ref());
+    let ops = ops.layer();
+    let Mixing { width, beta } = layer.mixing(units, &ops);
     let [_, count, _] = units.dims();
     let [_, rows, _] = width.dims();
     let views = rows - count;
-    let input = mix(
-        width.clone().narrow(1, 0, views),
-        units.clone(),
-        None,
-        deferred.as_ref(),
-    );
+    let input = ops.mix(width.clone().narrow(1, 0, views), units.clone(), None);
     Prepared {
         input: input.reshape(shape),
         residual: width.narrow(1, views, count),
         beta,
-        deferred,
+        ops,
     }
-}
-
-/// `Aᵀ S (+ β h)` per token: `weights [tokens | 1, R, U]`, `units [tokens, U, w]`, and the
-/// optional `β [tokens | 1, R, 1]`, `h [tokens, V, w]` (row `r` receives view `r mod V`);
-/// `[tokens, R, w]`. One fused op on Flex ([`crate::backend::stream_mix`]), tensor ops elsewhere.
-fn mix(
-    weights: Tensor<3>,
-    units: Tensor<3>,
-    addend: Option<(Tensor<3>, Tensor<3>)>,
-    deferred: Option<&UnitsGradient>,
-) -> Tensor<3> {
-    #[cfg(feature = "flex")]
-    if crate::backend::has_fused_flex_ops(&units) {
-        return crate::backend::stream_mix::fused_stream_mix(weights, units, addend, deferred);
-    }
-    let _ = deferred;
-    composed_mix(weights, units, addend)
-}
-
-/// [`mix`] as `U` broadcast multiply-adds `Σ_u Aᵀ[:, :, u] ⊗ S_u` (then `+ β ⊗ h`): with matrices
-/// this small (`U`, `R` ≤ 8), a batched matrix product is one tiny product per token, about 4×
-/// slower on CPU backends (4.7 ms against 1.2 ms for `[1024, 5, 4] × [1024, 4, 256]` on Flex),
-/// while the multiply-adds fuse into one kernel on CubeCL backends.
-pub(crate) fn composed_mix(
-    weights: Tensor<3>,
-    units: Tensor<3>,
-    addend: Option<(Tensor<3>, Tensor<3>)>,
-) -> Tensor<3> {
-    let [_, _, count] = weights.dims();
-    let mixed = (0..count)
-        .map(|u| weights.clone().narrow(2, u, 1) * units.clone().narrow(1, u, 1))
-        .reduce(|sum, term| sum + term)
-        .expect("at least one unit");
-    let Some((beta, branch)) = addend else {
-        return mixed;
-    };
-    let [tokens, rows, width] = mixed.dims();
-    let [beta_tokens, _, _] = beta.dims();
-    let views = branch.dims()[1];
-    let groups = rows / views;
-    (mixed.reshape([tokens, groups, views, width])
-        + beta.reshape([beta_tokens, groups, views, 1]) * branch.reshape([tokens, 1, views, width]))
-    .reshape([tokens, rows, width])
-}
-
-/// The row scale `s(n) = a / max(n + b, f)` of a row of norm `n`, in [`normed_projection`].
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub(crate) struct RowScale {
-    /// `a`.
-    pub numerator: f64,
-    /// `b`.
-    pub offset: f64,
-    /// `f`.
-    pub floor: f64,
-}
-
-/// `P_r = s(‖x_r‖₂) · x_r W` for `rows [R, w]` and `weights [w, C]`: the projection of
-/// row-normalised units that starts the token-dependent connections of hyper-connections
-/// (`s = √w / max(n, 1e-12)`) and mHC (`s = 1 / (n/√N + ε)`). One fused op with its own
-/// backward on Flex ([`crate::backend::normed_projection`]), tensor ops elsewhere. `deferred`:
-/// the gradient slot of the units whose reshape `rows` is; its backward writes their gradient.
-pub(crate) fn normed_projection(
-    rows: Tensor<2>,
-    weights: Tensor<2>,
-    scale: RowScale,
-    deferred: Option<&UnitsGradient>,
-) -> Tensor<2> {
-    #[cfg(feature = "flex")]
-    if crate::backend::has_fused_flex_ops(&rows) {
-        return crate::backend::normed_projection::fused_normed_projection(
-            rows, weights, scale, deferred,
-        );
-    }
-    let _ = deferred;
-    composed_normed_projection(rows, weights, scale)
-}
-
-/// [`normed_projection`] from tensor ops.
-pub(crate) fn composed_normed_projection(
-    rows: Tensor<2>,
-    weights: Tensor<2>,
-    scale: RowScale,
-) -> Tensor<2> {
-    let mut denominator = rows.clone().square().sum_dim(1).sqrt();
-    if scale.offset != 0.0 {
-        denominator = denominator.add_scalar(scale.offset);
-    }
-    if scale.floor != 0.0 {
-        denominator = denominator.clamp_min(scale.floor);
-    }
-    rows.matmul(weights) / denominator * scale.numerator
 }
 
 /// The input of the next block; `None` after the last block.
@@ -279,22 +192,24 @@ pub(crate) fn step<const D: usize>(
         units,
         shape,
         layout,
+        ops,
         next: prepared,
     } = state;
     let Prepared {
         residual,
         beta,
-        deferred,
+        ops: layer_ops,
         ..
     } = prepared.expect("blocks are stepped once each, in order");
     let [tokens, _, unit_width] = units.dims();
     let branch = branch.reshape([tokens, layout.fractions, unit_width]);
-    let units = mix(residual, units, Some((beta, branch)), deferred.as_ref());
-    let next = next.map(|layer| prepare(&units, shape, layer));
+    let units = layer_ops.mix(residual, units, Some((beta, branch)));
+    let next = next.map(|layer| prepare(&units, shape, ops, layer));
     MultiStreamState {
         units,
         shape,
         layout,
+        ops,
         next,
     }
 }
@@ -373,7 +288,7 @@ pub(crate) fn static_part_matrix<L: MixingLayer>(
 ) -> ConnectivityMatrix {
     let zero = Tensor::zeros([1, layout.units(), unit_width], device);
     let layers: Vec<StaticMixing> = layers
-        .map(|layer| StaticMixing::from_mixing(layer.mixing(&zero, None)))
+        .map(|layer| StaticMixing::from_mixing(layer.mixing(&zero, &LayerOps::composed())))
         .collect();
     static_matrix(&layers, layout, reduce)
 }
@@ -444,7 +359,9 @@ pub(crate) fn check_width(name: &str, width: usize, dims: &[usize]) -> Result<()
     let found = dims.last().copied().unwrap_or(0);
     if found != width {
         return Err(Error::WidthMismatch {
-            name: format!("{name} stream width"),
+            name: format!(
+                "{name} stream width (its config's `width`) against the stack input's last axis"
+            ),
             expected: width,
             found,
         });
@@ -452,78 +369,99 @@ pub(crate) fn check_width(name: &str, width: usize, dims: &[usize]) -> Result<()
     Ok(())
 }
 
-/// [`Connectivity`](crate::Connectivity) and [`StreamConnectivity`](crate::StreamConnectivity)
-/// for a multi-stream connectivity: a module with fields `layers` (one per block), `width` (of
-/// the stack's streams) and `reduce`, and methods `layout()` and
-/// `mixing(block) -> Option<impl MixingLayer>`; `$name` names it in errors.
+/// A multi-stream connectivity (hyper-connections, mHC): what it must tell for the generic
+/// [`Connectivity`] and [`StreamConnectivity`] implementations below. Public only in name: the
+/// module is private, so it cannot be implemented outside the crate.
 ///
 /// Its `C` is that of the static part (the connections of a token whose streams vanish). At a
 /// layer whose own wiring goes on after the block (a transformer layer at block granularity),
 /// the streams receive the layer's whole update `tail(M_0 + h) − M_0`. After the last block,
 /// `block_input` is the output (there is no block left to feed).
-macro_rules! stream_connectivity {
-    ($connectivity:ty, $name:literal) => {
-        impl $crate::Connectivity for $connectivity {
-            fn num_blocks(&self) -> usize {
-                self.layers.len()
-            }
+pub trait MultiStream: Module + ModuleDisplay + Clone {
+    /// Names the connectivity in errors.
+    const NAME: &'static str;
 
-            fn matrix(&self) -> $crate::ConnectivityMatrix {
-                let layout = self.layout();
-                $crate::multi_stream::static_part_matrix(
-                    (0..self.layers.len()).filter_map(|block| self.mixing(block)),
-                    layout,
-                    self.reduce,
-                    self.width / layout.fractions,
-                    &self.devices()[0],
-                )
-            }
+    /// One block's mixing.
+    #[doc(hidden)]
+    type Layer<'a>: MixingLayer
+    where
+        Self: 'a;
 
-            fn truncated(&self, depth: usize) -> $crate::Result<Self> {
-                $crate::error::check_depth(depth, 1, self.layers.len())?;
-                Ok(Self {
-                    layers: self.layers[..depth].to_vec(),
-                    ..self.clone()
-                })
-            }
+    /// The width of the stack's streams.
+    fn stream_width(&self) -> usize;
 
-            fn check_input(&self, dims: &[usize]) -> $crate::Result<()> {
-                $crate::multi_stream::check_width($name, self.width, dims)
-            }
-        }
+    /// How the units make streams.
+    #[doc(hidden)]
+    fn layout(&self) -> Layout;
 
-        impl<const D: usize> $crate::StreamConnectivity<D> for $connectivity {
-            type State = $crate::multi_stream::MultiStreamState<D>;
+    /// How the streams make the output.
+    fn reduce(&self) -> StreamReduce;
 
-            fn start(&self, input: Tensor<D>) -> Self::State {
-                let first = self.mixing(0).expect("at least one block");
-                $crate::multi_stream::start(input, self.layout(), &first)
-            }
+    /// Number of blocks (one layer of connections each).
+    fn num_layers(&self) -> usize;
 
-            fn block_input(&self, state: &Self::State) -> Tensor<D> {
-                $crate::multi_stream::block_input(state).unwrap_or_else(|| self.output(state))
-            }
+    /// Block `block`'s mixing; `None` past the last block.
+    #[doc(hidden)]
+    fn mixing(&self, block: usize) -> Option<Self::Layer<'_>>;
 
-            fn step(&self, state: Self::State, block: usize, branch: Tensor<D>) -> Self::State {
-                $crate::multi_stream::step(state, branch, self.mixing(block + 1).as_ref())
-            }
-
-            fn step_with_tail(
-                &self,
-                state: Self::State,
-                block: usize,
-                branch: Tensor<D>,
-                tail: impl FnOnce(Tensor<D>) -> Tensor<D>,
-            ) -> Self::State {
-                let branch = $crate::multi_stream::layer_branch(&state, branch, tail);
-                $crate::StreamConnectivity::step(self, state, block, branch)
-            }
-
-            fn output(&self, state: &Self::State) -> Tensor<D> {
-                $crate::multi_stream::output(state, self.reduce)
-            }
-        }
-    };
+    /// The same connectivity with the layers of the first `depth` blocks only.
+    fn first_layers(&self, depth: usize) -> Self;
 }
 
-pub(crate) use stream_connectivity;
+impl<T: MultiStream> Connectivity for T {
+    fn num_blocks(&self) -> usize {
+        self.num_layers()
+    }
+
+    fn matrix(&self) -> ConnectivityMatrix {
+        let layout = self.layout();
+        static_part_matrix(
+            (0..self.num_layers()).filter_map(|block| self.mixing(block)),
+            layout,
+            self.reduce(),
+            self.stream_width() / layout.fractions,
+            &self.devices()[0],
+        )
+    }
+
+    fn truncated(&self, depth: usize) -> Result<Self> {
+        crate::error::check_depth(depth, 1, self.num_layers())?;
+        Ok(self.first_layers(depth))
+    }
+
+    fn check_input(&self, dims: &[usize]) -> Result<()> {
+        check_width(T::NAME, self.stream_width(), dims)
+    }
+}
+
+impl<T: MultiStream, const D: usize> StreamConnectivity<D> for T {
+    type State = MultiStreamState<D>;
+
+    fn start(&self, input: Tensor<D>) -> Self::State {
+        let first = self.mixing(0).expect("at least one block");
+        start(input, self.layout(), &first)
+    }
+
+    fn block_input(&self, state: &Self::State) -> Tensor<D> {
+        block_input(state).unwrap_or_else(|| output(state, self.reduce()))
+    }
+
+    fn step(&self, state: Self::State, block: usize, branch: Tensor<D>) -> Self::State {
+        step(state, branch, self.mixing(block + 1).as_ref())
+    }
+
+    fn step_with_tail(
+        &self,
+        state: Self::State,
+        block: usize,
+        branch: Tensor<D>,
+        tail: impl FnOnce(Tensor<D>) -> Tensor<D>,
+    ) -> Self::State {
+        let branch = layer_branch(&state, branch, tail);
+        StreamConnectivity::step(self, state, block, branch)
+    }
+
+    fn output(&self, state: &Self::State) -> Tensor<D> {
+        output(state, self.reduce())
+    }
+}

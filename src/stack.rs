@@ -239,6 +239,11 @@ impl<M: Module + ModuleDisplay, C: Connectivity> Stack<M, C> {
         M: Block<D>,
         C: StreamConnectivity<D>,
     {
+        // Host-side shape checks, so that a mismatch names both settings instead of failing
+        // inside a reshape of the first block.
+        if let Err(err) = self.check_input(&input) {
+            panic!("{err} (`Stack::check_input` returns this as an error)");
+        }
         let connectivity = &self.connectivity;
         let mut state = connectivity.start(input);
         for (index, block) in self.blocks[..depth].iter().enumerate() {
@@ -247,5 +252,41 @@ impl<M: Module + ModuleDisplay, C: Connectivity> Stack<M, C> {
             state = connectivity.step(state, index, branch);
         }
         state
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{HyperConnectionsConfig, MlpBlockConfig};
+
+    fn mismatched() -> (Stack<crate::MlpBlock, crate::HyperConnections>, Tensor<3>) {
+        let device = Device::flex();
+        let blocks = MlpBlockConfig::new(8, 16).init_stack(2, &device).unwrap();
+        // The width given twice, differently: 9 to the connectivity, 8 to the blocks.
+        let stack = Stack::new(blocks, &HyperConnectionsConfig::new(9), &device).unwrap();
+        (stack, Tensor::zeros([2, 3, 8], &device))
+    }
+
+    #[test]
+    fn a_width_mismatch_is_an_error_naming_both_widths() {
+        let (stack, input) = mismatched();
+        let err = stack.check_input(&input).unwrap_err();
+        assert!(matches!(
+            err,
+            Error::WidthMismatch {
+                expected: 9,
+                found: 8,
+                ..
+            }
+        ));
+        assert!(err.to_string().contains("`width`"), "{err}");
+    }
+
+    #[test]
+    #[should_panic(expected = "expected width 9, found 8")]
+    fn forward_refuses_a_width_mismatch_before_the_first_block() {
+        let (stack, input) = mismatched();
+        let _ = stack.forward(input);
     }
 }

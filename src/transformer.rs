@@ -1,4 +1,4 @@
-//! burn-nn's [`TransformerEncoder`] driven by any connectivity (SPEC §4, ANCRe paper §4.2).
+//! burn-nn's [`TransformerEncoder`] driven by any connectivity (MATH §4, ANCRe paper §4.2).
 //!
 //! A [`TransformerEncoderLayer`] adds its own two residuals. [`ConnectedEncoder`] rewires the
 //! layer from its public parts so that the connectivity owns the shortcuts, running every
@@ -19,7 +19,7 @@
 //! [`StreamConnectivity::step_with_tail`]). At sublayer level attention and feed-forward are
 //! separate targets. With H-ACN's ResNet preset every variant computes the plain encoder.
 //!
-//! **DepthLN** (H-ACN App. D, SPEC §4; [`ConnectedEncoder::with_depth_ln`]): every norm of layer
+//! **DepthLN** (H-ACN App. D, MATH §4; [`ConnectedEncoder::with_depth_ln`]): every norm of layer
 //! `l` (counted from 1) becomes `DepthLN(x) = (1 + l·s_l)·LN(x)`, the layer's own LayerNorm
 //! (loaded weights kept) scaled by one learnable strength `s_l` per layer (init 0.05), shared by
 //! the layer's two norms. The strengths live under `depth_ln.…`; train them with the

@@ -80,19 +80,16 @@ fn parameter_gradients(model: &impl Module, grads: &Gradients) -> Vec<TensorData
     visitor.found
 }
 
-/// The backends compared with Flex: NdArray, wgpu (Mesa's lavapipe where there is no GPU)
-/// unless `BURN_CONNECTIVITY_SKIP_WGPU` is set, for machines without any Vulkan driver, and
-/// LibTorch's CPU device when built with `--features tch`.
-#[allow(deprecated)]
+/// The backends compared with Flex: every other one compiled in (this test needs `ndarray`;
+/// `wgpu` runs on Mesa's lavapipe where there is no GPU), leaving wgpu out where
+/// `BURN_CONNECTIVITY_SKIP_WGPU` is set, for machines without any Vulkan driver.
 fn other_backends() -> Vec<(&'static str, Device)> {
-    let mut backends = vec![("ndarray", Device::ndarray())];
-    if std::env::var_os("BURN_CONNECTIVITY_SKIP_WGPU").is_none() {
-        backends.push(("wgpu", burn_connectivity::backend::device("wgpu").unwrap()));
-    }
-    if cfg!(feature = "tch") {
-        backends.push(("tch", burn_connectivity::backend::device("tch").unwrap()));
-    }
-    backends
+    let skip_wgpu = std::env::var_os("BURN_CONNECTIVITY_SKIP_WGPU").is_some();
+    burn_connectivity::device::compiled_backends()
+        .into_iter()
+        .filter(|name| *name != "flex" && !(skip_wgpu && *name == "wgpu"))
+        .map(|name| (name, burn_connectivity::device::device(name).unwrap()))
+        .collect()
 }
 
 /// The readouts of `model` on `input`, and the gradients of a fixed random linear probe of the

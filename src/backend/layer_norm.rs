@@ -257,7 +257,9 @@ mod tests {
     #[cfg(feature = "flex")]
     #[test]
     fn flex_matches_burns_composed_layer_norm() {
-        fused_matches_burns(&Device::flex(), DType::F32, 1e-5, |run| run());
+        // f32: ∂γ and ∂β sum 210 rows of terms of order 1, in another order than Burn's: 1e-5
+        // failed about once in a few hundred random draws (1.4e-5), 3e-5 leaves room for that.
+        fused_matches_burns(&Device::flex(), DType::F32, 3e-5, |run| run());
         fused_matches_burns(&Device::flex(), DType::F64, 1e-12, |run| run());
     }
 

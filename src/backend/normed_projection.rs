@@ -31,11 +31,11 @@ use burn::tensor::{DType, Tensor};
 use burn_flex::{Flex, FlexTensor};
 use rayon::prelude::*;
 
+use super::RowScale;
 use super::flex_kernels::{
     Scalar, axpy, dims, dot, from_f64, tensor, to_f64, unwritten, values, written, zeroed,
 };
 use super::stream_mix::{DeferredTerms, UnitsGradient};
-use crate::multi_stream::RowScale;
 
 /// Rows per parallel task.
 const ROWS_PER_TASK: usize = 32;
@@ -612,7 +612,8 @@ mod tests {
     use burn::tensor::{Distribution, FloatDType, Tolerance};
 
     use super::fused_normed_projection;
-    use crate::multi_stream::{RowScale, composed_normed_projection};
+    use crate::backend::RowScale;
+    use crate::backend::units::composed_normed_projection;
 
     /// The fused op against the composed tensor ops on Flex, forward and both gradients, in f32
     /// and f64: both row scales (HC's floor, mHC's offset), column counts around the blocks of

@@ -784,8 +784,9 @@ mod tests {
     use burn::tensor::{Distribution, Tolerance};
 
     use super::{UnitsGradient, fused_stream_mix};
+    use crate::backend::RowScale;
     use crate::backend::normed_projection::fused_normed_projection;
-    use crate::multi_stream::{RowScale, composed_mix};
+    use crate::backend::units::composed_mix;
 
     fn random<const D: usize>(shape: [usize; D], device: &Device) -> Tensor<D> {
         Tensor::random(shape, Distribution::Normal(0.0, 1.0), device)

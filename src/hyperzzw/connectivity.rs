@@ -1,4 +1,4 @@
-//! HyperZZW as a connectivity for any stack of token blocks (SPEC 3.5).
+//! HyperZZW as a connectivity for any stack of token blocks (MATH §3.5).
 //!
 //! No identity shortcut: block `j`'s output `h_j = f_j(s_{j-1})` and its input `s_{j-1}` are
 //! fused by global and local HyperZZW branches and a bottleneck back to width `d`. On

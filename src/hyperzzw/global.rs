@@ -1,4 +1,4 @@
-//! Global HyperZZW (paper eqs. 5–7, SPEC 3.2): a context-dependent kernel `K̂ = Z ⊙ K` and the
+//! Global HyperZZW (paper eqs. 5–7, MATH §3.2): a context-dependent kernel `K̂ = Z ⊙ K` and the
 //! linear convolution of `Z` with it over the whole sequence or map.
 //!
 //! ```text
@@ -70,7 +70,7 @@ impl Geometry {
         self.grid().iter().product()
     }
 
-    /// Causal for sequences, same for maps (SPEC 3.2).
+    /// Causal for sequences, same for maps (MATH §3.2).
     pub fn default_crop(&self) -> Crop {
         match self {
             Self::Sequence { .. } => Crop::Causal,
@@ -318,6 +318,65 @@ mod tests {
     use burn::tensor::{Distribution, Tolerance};
 
     use super::*;
+
+    /// The fused op against the direct `O(T²)` convolution, forward and both gradients, for
+    /// both crops, a kernel shared by the batch or one per sample, lengths that are and are not
+    /// powers of two, a transposed (non-contiguous) signal, in f32 and f64.
+    #[cfg(feature = "flex")]
+    #[test]
+    fn fused_fft_conv_matches_the_direct_convolution() {
+        use burn::tensor::DType;
+        let device = Device::flex().autodiff();
+        for dtype in [DType::F32, DType::F64] {
+            for (length, kernel_batch, crop) in [
+                (1, 1, Crop::Causal),
+                (7, 3, Crop::Same),
+                (16, 1, Crop::Same),
+                (33, 3, Crop::Causal),
+            ] {
+                let random = |shape: [usize; 3]| {
+                    Tensor::<3>::random(
+                        shape,
+                        burn::tensor::Distribution::Normal(0.0, 1.0),
+                        &device,
+                    )
+                    .cast(dtype)
+                };
+                let (signal, kernel) = (random([3, length, 2]), random([kernel_batch, 2, length]));
+                let probe = random([3, 2, length]);
+                let start = match crop {
+                    Crop::Causal => 0,
+                    Crop::Same => (length - 1) / 2,
+                };
+                // Output, signal gradient and kernel gradient, on fresh leaves (one graph each);
+                // the signal `[B, C, T]` is read through a transpose of `[B, T, C]`.
+                let run = |fused: bool| {
+                    let (leaf, kernel) =
+                        (signal.clone().require_grad(), kernel.clone().require_grad());
+                    let x = leaf.clone().swap_dims(1, 2);
+                    let out = if fused {
+                        crate::backend::fft_conv::fft_conv_1d(x, kernel.clone(), start)
+                    } else {
+                        direct_conv_1d(x, kernel.clone().expand([3, 2, length]), crop)
+                    };
+                    let grads = (out.clone() * probe.clone()).sum().backward();
+                    [
+                        out.into_data(),
+                        leaf.grad(&grads).unwrap().into_data(),
+                        kernel.grad(&grads).unwrap().into_data(),
+                    ]
+                };
+                let tolerance = burn::tensor::Tolerance::absolute(if dtype == DType::F32 {
+                    1e-4
+                } else {
+                    1e-10
+                });
+                for (fused, direct) in run(true).iter().zip(&run(false)) {
+                    fused.assert_approx_eq::<f64>(direct, tolerance);
+                }
+            }
+        }
+    }
 
     fn random<const D: usize>(shape: [usize; D], device: &Device) -> Tensor<D> {
         Tensor::random(shape, Distribution::Normal(0.0, 1.0), device)

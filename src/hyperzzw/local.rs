@@ -1,4 +1,4 @@
-//! Local HyperZZW (paper eqs. 8–9, SPEC 3.3): kernels of size `k` generated from the context of
+//! Local HyperZZW (paper eqs. 8–9, MATH §3.3): kernels of size `k` generated from the context of
 //! a source tensor, applied as a depthwise "same" convolution to a target tensor.
 //!
 //! ```text
@@ -13,7 +13,7 @@
 //!
 //! The source and target may differ (MuHKGen: a kernel made from one branch convolves another).
 //! The batch mean makes the output depend on the batch's composition, as in the paper.
-//! **Decision** (SPEC): `a`, `b` are learnable and the identity term is not detached, unlike
+//! **Decision** (MATH): `a`, `b` are learnable and the identity term is not detached, unlike
 //! the reference code (where they are unregistered constants 1 and 0.1).
 
 use burn::nn::Linear;

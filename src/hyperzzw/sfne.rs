@@ -1,4 +1,4 @@
-//! The SFNE block (slow-fast neural encoding, SPEC 3.4) and the slow neural loss.
+//! The SFNE block (slow-fast neural encoding, MATH §3.4) and the slow neural loss.
 //!
 //! A multi-branch block with **no additive residual**. For an input `x: [B, C, P]` (`P`
 //! positions of a sequence or a flattened map, see [`Geometry`]) and the block's global
@@ -27,7 +27,7 @@
 //! `[3, 9, 5, 7]`, 12 G-IBS groups, global slow net `h = 64`, local and channel nets `h = 32`,
 //! hyper-interaction channel net `h = 16`, ω0 = 2000, every optional branch on; dropout zeroes
 //! whole channels as the reference's `Dropout2d`. **Differs**: the global branches are the
-//! paper's FFT convolution (SPEC 3.2), not the reference's square-map matrix product (that is
+//! paper's FFT convolution (MATH §3.2), not the reference's square-map matrix product (that is
 //! [`global_hyperzzw_dot`](crate::hyperzzw::global_hyperzzw_dot)); the branch order in the
 //! concatenation is the one above; the reference's dense cross-block concatenation of earlier
 //! block outputs is not implemented.

@@ -1,5 +1,5 @@
 //! The slow network: a multiplicative sinusoidal filter network that generates hyper-kernels
-//! from a coordinate grid (SPEC 3.1).
+//! from a coordinate grid (MATH §3.1).
 //!
 //! With coordinates `c` (`[points, D]`, `linspace(-1, 1, n)` per axis, 'ij' order, row-major):
 //!
@@ -15,8 +15,8 @@
 //! s-renormalisation (Terminator §2.2) adds a unit-norm copy of every hidden channel, so the
 //! kernel's scale no longer rests on the product of `L` sine layers alone. The crate's global
 //! kernel generators turn it on by default (HyperZZW connectivity, SFNE); the plain network of
-//! SPEC 3.1 (the golden vectors') has it off. As for the local generator, `a`, `b` are learnable
-//! and the identity term is not detached (SPEC 3.3; the reference code's constants 1 and 0.1 are
+//! MATH §3.1 (the golden vectors') has it off. As for the local generator, `a`, `b` are learnable
+//! and the identity term is not detached (MATH §3.3; the reference code's constants 1 and 0.1 are
 //! the init).
 //!
 //! Init (reference code): `A_l = U(±1/√D) · 2π ω0 γ_l` with `γ_l ~ Gamma(6/(l+1), 1)` drawn once

@@ -1,4 +1,4 @@
-//! The Terminator model (SPEC 3.4): a stack of SFNE blocks with growing channels, global
+//! The Terminator model (MATH §3.4): a stack of SFNE blocks with growing channels, global
 //! average pooling and a linear head, for sequences `[B, C, T]` and maps `[B, C, H, W]`.
 //!
 //! ```text

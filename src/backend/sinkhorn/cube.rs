@@ -12,7 +12,12 @@ use super::SinkhornBackend;
 use kernels::{sinkhorn_backward_kernel, sinkhorn_forward_kernel};
 
 impl SinkhornBackend for CubeBackend {
-    fn sinkhorn(logits: FloatTensor<Self>, n: usize, iterations: usize) -> FloatTensor<Self> {
+    fn sinkhorn(
+        logits: FloatTensor<Self>,
+        n: usize,
+        iterations: usize,
+        epsilon: f64,
+    ) -> FloatTensor<Self> {
         let launch = PerMatrix::new(&logits, n);
         sinkhorn_forward_kernel::launch(
             &launch.client,
@@ -22,6 +27,7 @@ impl SinkhornBackend for CubeBackend {
             launch.output.clone().into_tensor_arg(),
             n,
             iterations,
+            epsilon_bits(epsilon),
             launch.dtype,
         );
         launch.output
@@ -32,6 +38,7 @@ impl SinkhornBackend for CubeBackend {
         grad: FloatTensor<Self>,
         n: usize,
         iterations: usize,
+        epsilon: f64,
     ) -> FloatTensor<Self> {
         let launch = PerMatrix::new(&logits, n);
         sinkhorn_backward_kernel::launch(
@@ -43,10 +50,17 @@ impl SinkhornBackend for CubeBackend {
             launch.output.clone().into_tensor_arg(),
             n,
             iterations,
+            epsilon_bits(epsilon),
             launch.dtype,
         );
         launch.output
     }
+}
+
+/// The caller's ε as the bits of an `f32`: a compile-time constant of the kernel (a kernel is
+/// compiled once per ε, and mHC has one).
+fn epsilon_bits(epsilon: f64) -> u32 {
+    (epsilon as f32).to_bits()
 }
 
 /// A launch with one thread per `n × n` matrix, and its contiguous output shaped like the input.
@@ -81,9 +95,6 @@ impl PerMatrix {
 mod kernels {
     use cubecl::prelude::*;
 
-    /// The ε of the composed form, so both forms compute the same function.
-    const EPS: f32 = crate::mhc::MHC_EPS as f32;
-
     // A line of a row-major `n × n` matrix: entry `b` of line `a` is at `a·outer + b·inner`;
     // rows are `(outer, inner) = (n, 1)`, columns `(1, n)`.
 
@@ -94,6 +105,7 @@ mod kernels {
         base: usize,
         matrix: &mut Array<E>,
         #[comptime] n: usize,
+        epsilon: E,
     ) {
         for i in 0..n {
             let mut largest = logits[base + i * n];
@@ -107,7 +119,7 @@ mod kernels {
                 total += value;
             }
             for j in 0..n {
-                matrix[i * n + j] = matrix[i * n + j] / total + E::new(EPS);
+                matrix[i * n + j] = matrix[i * n + j] / total + epsilon;
             }
         }
     }
@@ -119,9 +131,10 @@ mod kernels {
         outer: usize,
         inner: usize,
         #[comptime] n: usize,
+        epsilon: E,
     ) {
         for a in 0..n {
-            let mut total = E::new(EPS);
+            let mut total = epsilon;
             for b in 0..n {
                 total += matrix[a * outer + b * inner];
             }
@@ -143,9 +156,10 @@ mod kernels {
         outer: usize,
         inner: usize,
         #[comptime] n: usize,
+        epsilon: E,
     ) {
         for a in 0..n {
-            let mut total = E::new(EPS);
+            let mut total = epsilon;
             for b in 0..n {
                 total += start[a * outer + b * inner] * line[a] * across[b];
             }
@@ -189,18 +203,20 @@ mod kernels {
         output: &mut Tensor<E>,
         #[comptime] n: usize,
         #[comptime] iterations: usize,
+        #[comptime] epsilon_bits: u32,
         #[define(E)] _dtype: ElemType,
     ) {
+        let epsilon = E::new(comptime!(f32::from_bits(epsilon_bits)));
         let base = ABSOLUTE_POS * n * n;
         if base >= output.len() {
             terminate!();
         }
         let mut matrix = Array::<E>::new(n * n);
-        softmax_rows::<E>(logits, base, &mut matrix, n);
-        normalise_lines::<E>(&mut matrix, 1, n, n);
+        softmax_rows::<E>(logits, base, &mut matrix, n, epsilon);
+        normalise_lines::<E>(&mut matrix, 1, n, n, epsilon);
         for _ in 1..iterations {
-            normalise_lines::<E>(&mut matrix, n, 1, n);
-            normalise_lines::<E>(&mut matrix, 1, n, n);
+            normalise_lines::<E>(&mut matrix, n, 1, n, epsilon);
+            normalise_lines::<E>(&mut matrix, 1, n, n, epsilon);
         }
         for k in 0..n * n {
             output[base + k] = matrix[k];
@@ -214,15 +230,17 @@ mod kernels {
         output: &mut Tensor<E>,
         #[comptime] n: usize,
         #[comptime] iterations: usize,
+        #[comptime] epsilon_bits: u32,
         #[define(E)] _dtype: ElemType,
     ) {
+        let epsilon = E::new(comptime!(f32::from_bits(epsilon_bits)));
         let base = ABSOLUTE_POS * n * n;
         if base >= output.len() {
             terminate!();
         }
         let steps = 2 * iterations - 1;
         let mut start = Array::<E>::new(n * n);
-        softmax_rows::<E>(logits, base, &mut start, n);
+        softmax_rows::<E>(logits, base, &mut start, n, epsilon);
 
         // Forward again as scalings `M_k = diag(row) · start · diag(column)`, keeping each
         // step's denominators; step k normalises columns when k is even, rows when it is odd.
@@ -235,9 +253,29 @@ mod kernels {
         let mut sums = Array::<E>::new(steps * n);
         for k in 0..steps {
             if k % 2 == 1 {
-                scale_lines::<E>(&start, &mut row, &column, &mut sums, k * n, n, 1, n);
+                scale_lines::<E>(
+                    &start,
+                    &mut row,
+                    &column,
+                    &mut sums,
+                    k * n,
+                    n,
+                    1,
+                    n,
+                    epsilon,
+                );
             } else {
-                scale_lines::<E>(&start, &mut column, &row, &mut sums, k * n, 1, n, n);
+                scale_lines::<E>(
+                    &start,
+                    &mut column,
+                    &row,
+                    &mut sums,
+                    k * n,
+                    1,
+                    n,
+                    n,
+                    epsilon,
+                );
             }
         }
 
@@ -278,11 +316,11 @@ mod kernels {
         for i in 0..n {
             let mut dot = E::new(0.0);
             for j in 0..n {
-                dot += upstream[i * n + j] * (start[i * n + j] - E::new(EPS));
+                dot += upstream[i * n + j] * (start[i * n + j] - epsilon);
             }
             for j in 0..n {
                 output[base + i * n + j] =
-                    (start[i * n + j] - E::new(EPS)) * (upstream[i * n + j] - dot);
+                    (start[i * n + j] - epsilon) * (upstream[i * n + j] - dot);
             }
         }
     }

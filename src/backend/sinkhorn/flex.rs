@@ -17,7 +17,6 @@ use rayon::prelude::*;
 
 use super::SinkhornBackend;
 use crate::backend::flex_kernels;
-use crate::mhc::MHC_EPS;
 
 /// Matrices per parallel task.
 const MATRICES_PER_TASK: usize = 256;
@@ -26,10 +25,20 @@ const MATRICES_PER_TASK: usize = 256;
 const LANES: usize = 4;
 
 impl SinkhornBackend for Flex {
-    fn sinkhorn(logits: FlexTensor, n: usize, iterations: usize) -> FlexTensor {
+    fn sinkhorn(logits: FlexTensor, n: usize, iterations: usize, epsilon: f64) -> FlexTensor {
         let input = values(&logits);
         let mut output = vec![0.0; input.len()];
-        per_task(&input, None, &mut output, n, &Forward { n, iterations });
+        per_task(
+            &input,
+            None,
+            &mut output,
+            n,
+            &Forward {
+                n,
+                iterations,
+                epsilon,
+            },
+        );
         tensor(output, &logits)
     }
 
@@ -38,6 +47,7 @@ impl SinkhornBackend for Flex {
         grad: FlexTensor,
         n: usize,
         iterations: usize,
+        epsilon: f64,
     ) -> FlexTensor {
         let (input, upstream) = (values(&logits), values(&grad));
         let mut output = vec![0.0; input.len()];
@@ -46,7 +56,11 @@ impl SinkhornBackend for Flex {
             Some(&upstream),
             &mut output,
             n,
-            &Backward { n, iterations },
+            &Backward {
+                n,
+                iterations,
+                epsilon,
+            },
         );
         tensor(output, &logits)
     }
@@ -137,23 +151,32 @@ trait Job: Sync {
 struct Forward {
     n: usize,
     iterations: usize,
+    epsilon: f64,
 }
 
 impl Job for Forward {
     fn run<T: Value>(&self, logits: &[T], _upstream: Option<&[T]>, output: &mut [T]) {
-        forward(logits, output, self.n, self.iterations);
+        forward(logits, output, self.n, self.iterations, self.epsilon);
     }
 }
 
 struct Backward {
     n: usize,
     iterations: usize,
+    epsilon: f64,
 }
 
 impl Job for Backward {
     fn run<T: Value>(&self, logits: &[T], upstream: Option<&[T]>, output: &mut [T]) {
         let upstream = upstream.expect("the backward has the output's gradient");
-        backward(logits, upstream, output, self.n, self.iterations);
+        backward(
+            logits,
+            upstream,
+            output,
+            self.n,
+            self.iterations,
+            self.epsilon,
+        );
     }
 }
 
@@ -239,7 +262,7 @@ fn sum<T: Value>(n: usize, term: impl Fn(usize) -> T) -> T {
 }
 
 /// `matrix ← softmax_rows(logits) + ε`.
-fn softmax_rows<T: Value>(logits: &[T], matrix: &mut [T], n: usize) {
+fn softmax_rows<T: Value>(logits: &[T], matrix: &mut [T], n: usize, epsilon: f64) {
     for (row, out) in logits.chunks_exact(n).zip(matrix.chunks_exact_mut(n)) {
         let largest = row[1..]
             .iter()
@@ -249,7 +272,7 @@ fn softmax_rows<T: Value>(logits: &[T], matrix: &mut [T], n: usize) {
         }
         let reciprocal = T::splat(1.0) / sum(n, |b| out[b]);
         for o in out.iter_mut() {
-            *o = *o * reciprocal + T::splat(MHC_EPS);
+            *o = *o * reciprocal + T::splat(epsilon);
         }
     }
 }
@@ -259,11 +282,11 @@ fn at(a: usize, b: usize, n: usize, columns: bool) -> usize {
     if columns { b * n + a } else { a * n + b }
 }
 
-fn forward<T: Value>(logits: &[T], matrix: &mut [T], n: usize, iterations: usize) {
-    softmax_rows(logits, matrix, n);
+fn forward<T: Value>(logits: &[T], matrix: &mut [T], n: usize, iterations: usize, epsilon: f64) {
+    softmax_rows(logits, matrix, n, epsilon);
     let normalise = |matrix: &mut [T], columns: bool| {
         for a in 0..n {
-            let total = T::splat(MHC_EPS) + sum(n, |b| matrix[at(a, b, n, columns)]);
+            let total = T::splat(epsilon) + sum(n, |b| matrix[at(a, b, n, columns)]);
             let reciprocal = T::splat(1.0) / total;
             for b in 0..n {
                 let index = at(a, b, n, columns);
@@ -294,10 +317,17 @@ fn line_and_across<'a, T>(
 /// Every iterate is `diag(row) P diag(column)`: rerun the forward keeping each step's
 /// denominators (as reciprocals), walk back through them, then through the softmax (see the
 /// parent module).
-fn backward<T: Value>(logits: &[T], upstream: &[T], output: &mut [T], n: usize, iterations: usize) {
+fn backward<T: Value>(
+    logits: &[T],
+    upstream: &[T],
+    output: &mut [T],
+    n: usize,
+    iterations: usize,
+    epsilon: f64,
+) {
     let (zero, one) = (T::splat(0.0), T::splat(1.0));
     let mut start = vec![zero; n * n];
-    softmax_rows(logits, &mut start, n);
+    softmax_rows(logits, &mut start, n, epsilon);
     let (mut row, mut column) = (vec![one; n], vec![one; n]);
     let mut reciprocals = vec![zero; (2 * iterations - 1) * n];
     // Step k normalises columns when k is even, rows when it is odd.
@@ -306,7 +336,7 @@ fn backward<T: Value>(logits: &[T], upstream: &[T], output: &mut [T], n: usize, 
         let (line, across) = line_and_across(columns, &mut row, &mut column);
         for a in 0..n {
             let total =
-                T::splat(MHC_EPS) + sum(n, |b| start[at(a, b, n, columns)] * line[a] * across[b]);
+                T::splat(epsilon) + sum(n, |b| start[at(a, b, n, columns)] * line[a] * across[b]);
             reciprocals[a] = one / total;
             line[a] = line[a] * reciprocals[a];
         }
@@ -328,7 +358,7 @@ fn backward<T: Value>(logits: &[T], upstream: &[T], output: &mut [T], n: usize, 
         }
     }
     // Softmax backward, with S = start − ε.
-    let epsilon = T::splat(MHC_EPS);
+    let epsilon = T::splat(epsilon);
     for ((out, grad), start) in output
         .chunks_exact_mut(n)
         .zip(grad.chunks_exact(n))

@@ -1,6 +1,6 @@
 //! Conformance checks against the golden vectors (format: tests/golden/README.md).
 //!
-//! Shared by the `conformance` example and `tests/conformance.rs`. Every size (blocks, widths,
+//! Run by the conformance runner (`main.rs` beside this file). Every size (blocks, widths,
 //! depths) is read from the files.
 
 use std::collections::HashMap;
@@ -452,7 +452,7 @@ fn golden_slow_net(
             golden.tensor::<1>(&format!("{prefix}.shared_bias"), device)?,
         ),
         output: golden_linear(golden, &format!("{prefix}.output"), device)?,
-        // The golden vectors are the plain network of SPEC 3.1.
+        // The golden vectors are the plain network of MATH §3.1.
         renorm: None,
         grid,
     })

@@ -1,5 +1,5 @@
-//! The benchmark workloads, shared by `benches/connectivity.rs` (divan) and the
-//! `bench_connectivity` example (JSON lines).
+//! The benchmark workloads, shared by `benches/connectivity.rs` (divan), the
+//! `bench_connectivity` tool (JSON lines) and `kernel_counts`.
 //!
 //! * `stack{12,24}`: pre-LN MLP blocks `LN → Linear(d, 4d) → GELU → Linear(4d, d)` on
 //!   `[B, T, d] = [8, 128, 256]`, wired as a plain residual loop (`x += f(x)`, written by hand:
@@ -10,8 +10,6 @@
 //!   no optimiser update, which costs the same for every variant).
 //! * `gconv{64,128,256,1024,4096}`: global HyperZZW `conv(Z, Z ⊙ K)` on `[B, C, T] = [8, 64, T]`, by FFT
 //!   or by direct `O(T²)` convolution.
-
-#![allow(dead_code)] // the bench and the example use different parts
 
 use burn::prelude::*;
 use burn::tensor::{Distribution, Gradients};

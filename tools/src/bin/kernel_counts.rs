@@ -2,7 +2,7 @@
 //! default; Mesa's lavapipe where there is no GPU).
 //!
 //! ```text
-//! cargo run --release --example kernel_counts [-- --device wgpu --depth 4]
+//! cargo run --release -p burn-connectivity-tools --features wgpu --bin kernel_counts [-- --device wgpu --depth 4]
 //! ```
 //!
 //! Every launch is counted through CubeCL's launch observer, after a warm-up pass (kernel
@@ -12,9 +12,8 @@
 //! loop per block, and the kernels of one connectivity step on its own, for the crate's
 //! formulation and for the alternatives it was compared with.
 
-mod common;
-#[path = "../benches/workloads/mod.rs"]
-mod workloads;
+use burn_connectivity_tools as common;
+use burn_connectivity_tools::workloads;
 
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -85,7 +84,7 @@ fn main() -> ExitCode {
 
 fn run(flags: Flags) -> Result<(), String> {
     let name = flags.device;
-    let device = burn_connectivity::backend::device(&name).map_err(|err| err.to_string())?;
+    let device = burn_connectivity::device::device(&name).map_err(|err| err.to_string())?;
     let depth = flags.depth as usize;
     let tracked = device.clone().autodiff();
 

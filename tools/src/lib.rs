@@ -1,7 +1,9 @@
-//! Helpers shared by the examples: the `--device` flag, progress bars, the digits data set and
-//! its classifier, and the character-level language model ([`lm`]).
-
-#![allow(dead_code)] // each example uses a different part
+//! Support shared by burn-connectivity's examples and developer tools: the `--device` flag,
+//! progress bars, the digits data set and its classifier, the character-level language model
+//! ([`lm`]), the Terminator models ([`terminator`]) and the benchmark workloads ([`workloads`]).
+//!
+//! The tools are binaries of this package (`cargo run --release -p burn-connectivity-tools --bin
+//! NAME`): `bench_connectivity`, `kernel_counts` (`--features wgpu`) and `reproduce`.
 
 use std::process::ExitCode;
 use std::time::Duration;
@@ -17,6 +19,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 
 pub mod lm;
 pub mod terminator;
+pub mod workloads;
 
 /// The `--device` flag every example takes.
 #[derive(clap::Args, Debug, Clone)]
@@ -30,7 +33,7 @@ pub struct DeviceArg {
 impl DeviceArg {
     /// The device; an error names the compiled backends.
     pub fn device(&self) -> Result<Device, String> {
-        burn_connectivity::backend::device(&self.device).map_err(|err| err.to_string())
+        burn_connectivity::device::device(&self.device).map_err(|err| err.to_string())
     }
 }
 

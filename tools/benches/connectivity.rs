@@ -1,11 +1,11 @@
-//! Divan benches of the workloads in `workloads/mod.rs` (`cargo bench --bench connectivity`).
+//! Divan benches of the workloads in `src/workloads.rs` (`cargo bench -p burn-connectivity-tools`).
 //!
 //! The backend is Flex unless `BENCH_DEVICE` names another compiled one (`ndarray`, `wgpu`…).
 //! Each bench runs its work once untimed (kernel compilation and autotune on GPU backends), then
-//! times it with a device sync at the end of every sample. The `bench_connectivity` example runs
+//! times it with a device sync at the end of every sample. The `bench_connectivity` tool runs
 //! the same workloads and prints JSON lines and ratios.
 
-mod workloads;
+use burn_connectivity_tools::workloads;
 
 use burn::prelude::*;
 use divan::Bencher;
@@ -17,7 +17,7 @@ fn main() {
 
 fn device() -> Device {
     let name = std::env::var("BENCH_DEVICE").unwrap_or_else(|_| "flex".into());
-    burn_connectivity::backend::device(&name).unwrap_or_else(|err| panic!("BENCH_DEVICE: {err}"))
+    burn_connectivity::device::device(&name).unwrap_or_else(|err| panic!("BENCH_DEVICE: {err}"))
 }
 
 fn bench_synced<T>(bencher: Bencher, device: &Device, work: impl Fn() -> T + Sync) {

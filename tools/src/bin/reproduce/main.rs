@@ -3,9 +3,9 @@
 //! it, and whether it reproduced).
 //!
 //! ```text
-//! cargo run --release --example reproduce -- --quick        # 2 seeds, short runs (~6 min on 2 cores)
-//! cargo run --release --example reproduce                   # 5 seeds, full budget
-//! cargo run --release --example reproduce -- --only lm --seeds 3
+//! cargo run --release -p burn-connectivity-tools --bin reproduce -- --quick        # 2 seeds, short runs (~6 min on 2 cores)
+//! cargo run --release -p burn-connectivity-tools --bin reproduce                   # 5 seeds, full budget
+//! cargo run --release -p burn-connectivity-tools --bin reproduce -- --only lm --seeds 3
 //! ```
 //!
 //! Claims, each run under the same weights, data and budget for every model it compares:
@@ -21,8 +21,7 @@
 //! A verdict is *reproduced* or *contradicted* when the difference the paper states has
 //! |Welch t| ≥ 2 over the seeds, else *inconclusive*. `--help` lists every flag.
 
-#[path = "../common/mod.rs"]
-mod common;
+use burn_connectivity_tools as common;
 mod report;
 mod stats;
 
@@ -831,10 +830,12 @@ fn run(flags: Flags) -> Result<(), String> {
     progress.overall.finish_and_clear();
     let results = Results {
         commit: commit(),
-        command: std::iter::once("cargo run --release --example reproduce --".to_string())
-            .chain(std::env::args().skip(1))
-            .collect::<Vec<_>>()
-            .join(" "),
+        command: std::iter::once(
+            "cargo run --release -p burn-connectivity-tools --bin reproduce --".to_string(),
+        )
+        .chain(std::env::args().skip(1))
+        .collect::<Vec<_>>()
+        .join(" "),
         seeds,
         quick: flags.quick,
         device: format!("{device:?}"),

@@ -14,16 +14,15 @@
 //! per-round ratios beside them: their spread is the noise of the comparison.
 //!
 //! ```text
-//! cargo run --release --example bench_connectivity -- [--device flex] [--runs 5] [--warmup 1] [--only stack|gconv|profile]
+//! cargo run --release -p burn-connectivity-tools --bin bench_connectivity -- [--device flex] [--runs 5] [--warmup 1] [--only stack|gconv|profile]
 //! ```
 //!
 //! `--only profile` times the operation classes of one residual MLP block on their own (forward
 //! and backward at the block's shapes) next to the depth-12 residual train step, and prints
 //! their share of it: what is the backend's time and what is left for the connectivity.
 
-mod common;
-#[path = "../benches/workloads/mod.rs"]
-mod workloads;
+use burn_connectivity_tools as common;
+use burn_connectivity_tools::workloads;
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::collections::HashMap;

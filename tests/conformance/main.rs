@@ -1,0 +1,97 @@
+//! The conformance runner: recomputes every golden vector in `tests/golden` (format:
+//! `tests/golden/README.md`) and compares, on every backend compiled into this build.
+//!
+//! ```text
+//! cargo test --release --test conformance                        # Flex
+//! cargo test --release --features wgpu,ndarray --test conformance # Flex, NdArray and wgpu
+//! cargo test --release --features wgpu --test conformance -- --device wgpu [--dir DIR]
+//! ```
+//!
+//! Prints one line per check, `name max_abs_err tolerance PASS|FAIL`, then `N passed, M failed`,
+//! and exits with status 1 if any check fails (2 on a usage or file error). A test target with
+//! its own `main` (`harness = false`): libtest's own flags (`--nocapture`, filters) are ignored.
+//! `BURN_CONNECTIVITY_SKIP_WGPU=1` leaves wgpu out of the default list.
+
+mod checks;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use burn_connectivity::device::{compiled_backends, device};
+
+struct Flags {
+    dir: PathBuf,
+    devices: Vec<String>,
+}
+
+fn parse(args: impl Iterator<Item = String>) -> Result<Flags, String> {
+    let mut dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/golden");
+    let mut devices = Vec::new();
+    let mut args = args.peekable();
+    while let Some(arg) = args.next() {
+        let mut value = |flag: &str| args.next().ok_or_else(|| format!("{flag} needs a value"));
+        match arg.as_str() {
+            "--dir" => dir = PathBuf::from(value("--dir")?),
+            "--device" => devices.extend(value("--device")?.split(',').map(str::to_string)),
+            _ => {} // libtest's flags and filters
+        }
+    }
+    if devices.is_empty() {
+        let skip_wgpu = std::env::var_os("BURN_CONNECTIVITY_SKIP_WGPU").is_some();
+        devices = compiled_backends()
+            .into_iter()
+            .filter(|name| !(skip_wgpu && *name == "wgpu"))
+            .map(str::to_string)
+            .collect();
+    }
+    Ok(Flags { dir, devices })
+}
+
+fn main() -> ExitCode {
+    match run() {
+        Ok(true) => ExitCode::SUCCESS,
+        Ok(false) => ExitCode::FAILURE,
+        Err(message) => {
+            eprintln!("error: {message}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+fn run() -> Result<bool, String> {
+    let flags = parse(std::env::args().skip(1))?;
+    if checks::run_dir(
+        &flags.dir.join("nonexistent"),
+        &burn::prelude::Device::flex(),
+    )
+    .is_ok()
+    {
+        return Err("a missing golden directory was not reported".to_string());
+    }
+    let known: Vec<&str> = checks::KNOWN_FILES.iter().map(|(file, _)| *file).collect();
+    let (mut total, mut failed) = (0, 0);
+    for name in &flags.devices {
+        let device = device(name).map_err(|err| err.to_string())?;
+        println!("== {name}");
+        let results = checks::run_dir(&flags.dir, &device)?;
+        let files: Vec<&str> = results.iter().map(|(file, _)| file.as_str()).collect();
+        if files != known {
+            return Err(format!(
+                "{}: golden files {files:?}, expected every known file {known:?}",
+                flags.dir.display()
+            ));
+        }
+        for (file, checks) in results {
+            if checks.is_empty() {
+                return Err(format!("{file}: no checks"));
+            }
+            for check in checks {
+                println!("{name} {check}");
+                total += 1;
+                failed += usize::from(!check.passed());
+            }
+        }
+    }
+    println!("{} passed, {failed} failed", total - failed);
+    Ok(failed == 0)
+}

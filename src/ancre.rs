@@ -983,4 +983,32 @@ mod tests {
             Err(Error::OutOfRange { .. })
         ));
     }
+
+    /// Whole ANCRe and DWA stacks (every mix through the fused history op on Flex) give the
+    /// same gradients under Burn's gradient checkpointing as without it.
+    #[test]
+    fn gradient_checkpointing_gives_the_same_gradients() {
+        use crate::DenseFormerConfig;
+        use crate::test_util::{OnDevice, assert_checkpointing_keeps_gradients, input_gradient};
+
+        let flex = Device::flex();
+        let x = input(&flex);
+        let ancre = Stack::new(blocks(5, &flex), &AncreConfig::new(), &flex).unwrap();
+        let dwa = DenseFormerConfig::new().with_dilation(2);
+        let dwa = Stack::new(blocks(5, &flex), &dwa, &flex).unwrap();
+        assert_checkpointing_keeps_gradients(|device| {
+            let x = Tensor::<3>::from_data(x.to_data(), device).require_grad();
+            let ancre = ancre.clone().map(&mut OnDevice(device.clone()));
+            let dwa = dwa.clone().map(&mut OnDevice(device.clone()));
+            let loss =
+                ancre.forward(x.clone()).powi_scalar(2).sum() + dwa.forward(x.clone()).tanh().sum();
+            let grads = loss.backward();
+            let mut all = vec![input_gradient(&x, &grads)];
+            all.push(gradient(&ancre.connectivity.logits, &grads));
+            all.extend(dwa.connectivity.alphas.iter().map(|a| gradient(a, &grads)));
+            let blocks = ancre.blocks.iter().chain(&dwa.blocks);
+            all.extend(blocks.map(|block| gradient(&block.linear.weight, &grads)));
+            all
+        });
+    }
 }

@@ -21,6 +21,8 @@ macro_rules! register_tracked {
     };
 }
 
+#[cfg(any(feature = "flex", feature = "tch", feature = "cube-kernels"))]
+mod autodiff;
 #[cfg(feature = "flex")]
 pub(crate) mod fft_conv;
 #[cfg(feature = "flex")]

@@ -411,6 +411,12 @@ mod tests {
     use burn::tensor::{Distribution, Tolerance};
 
     use super::*;
+    use crate::Connectivity;
+    use crate::stack::Stack;
+    use crate::test_util::{
+        OnDevice, WIDTH, assert_checkpointing_keeps_gradients, assert_close, blocks, gradient,
+        input, input_gradient, residual_loop,
+    };
 
     /// The fused op against the composed operations on the same device, forward and gradient,
     /// for several sizes, iteration counts and logit scales.
@@ -457,9 +463,6 @@ mod tests {
     fn fused_sinkhorn_flex_op_matches_the_composed_operations() {
         fused_matches_composed(&Device::flex());
     }
-    use crate::Connectivity;
-    use crate::stack::Stack;
-    use crate::test_util::{WIDTH, assert_close, blocks, input, residual_loop};
 
     #[test]
     fn sinkhorn_knopp_converges_to_doubly_stochastic() {
@@ -607,5 +610,34 @@ mod tests {
             mhc.check_input(&[1, WIDTH - 1]),
             Err(Error::WidthMismatch { .. })
         ));
+    }
+
+    /// Whole HC and mHC stacks (their streams' gradients through the shared slot on Flex) give
+    /// the same gradients under Burn's gradient checkpointing as without it.
+    #[test]
+    fn gradient_checkpointing_gives_the_same_gradients() {
+        use crate::HyperConnectionsConfig;
+
+        let flex = Device::flex();
+        let x = input(&flex);
+        let hc = Stack::new(blocks(4, &flex), &HyperConnectionsConfig::new(WIDTH), &flex).unwrap();
+        let mhc = MhcConfig::new(WIDTH).with_phi_std(0.1).with_alpha_init(0.5);
+        let mhc = Stack::new(blocks(4, &flex), &mhc, &flex).unwrap();
+        assert_checkpointing_keeps_gradients(|device| {
+            let x = Tensor::<3>::from_data(x.to_data(), device).require_grad();
+            let hc = hc.clone().map(&mut OnDevice(device.clone()));
+            let mhc = mhc.clone().map(&mut OnDevice(device.clone()));
+            let loss =
+                hc.forward(x.clone()).powi_scalar(2).sum() + mhc.forward(x.clone()).tanh().sum();
+            let grads = loss.backward();
+            let mut all = vec![input_gradient(&x, &grads)];
+            let hc_layers = hc.connectivity.layers.iter();
+            all.extend(hc_layers.map(|layer| gradient(&layer.static_alpha, &grads)));
+            let mhc_layers = mhc.connectivity.layers.iter();
+            all.extend(mhc_layers.map(|layer| gradient(&layer.phi, &grads)));
+            let blocks = hc.blocks.iter().chain(&mhc.blocks);
+            all.extend(blocks.map(|block| gradient(&block.linear.weight, &grads)));
+            all
+        });
     }
 }

@@ -77,3 +77,28 @@ impl burn::module::ModuleMapper for OnDevice {
         param.map(|tensor| Tensor::from_data(tensor.to_data(), &self.0).require_grad())
     }
 }
+
+/// Runs `gradients` (every gradient of a loss, each read back to the host) on an autodiff Flex
+/// device with and without Burn's gradient checkpointing, which recomputes memory-bound
+/// operations in the backward pass, and asserts that both give the same gradients.
+pub fn assert_checkpointing_keeps_gradients(gradients: impl Fn(&Device) -> Vec<Vec<f64>>) {
+    let device = Device::flex().autodiff();
+    let plain = gradients(&device);
+    let checkpointed = gradients(&device.gradient_checkpointing());
+    assert_eq!(plain.len(), checkpointed.len());
+    for (a, b) in plain.iter().zip(&checkpointed) {
+        assert_eq!(a.len(), b.len());
+        for (a, b) in a.iter().zip(b) {
+            assert!((a - b).abs() <= 1e-5 * (1.0 + a.abs()), "{a} vs {b}");
+        }
+    }
+}
+
+/// The gradient of `x` in `grads`, read back to the host.
+pub fn input_gradient(x: &Tensor<3>, grads: &burn::tensor::Gradients) -> Vec<f64> {
+    x.grad(grads)
+        .expect("x is used")
+        .into_data()
+        .iter()
+        .collect()
+}

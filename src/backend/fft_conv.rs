@@ -20,7 +20,7 @@
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::autodiff::grads::Gradients;
-use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
+use burn::backend::autodiff::ops::{Backward, Ops};
 use burn::backend::autodiff::{Autodiff, NodeId};
 use burn::backend::tensor::FloatTensor;
 use burn::backend::{Backend, Dispatch, backend_extension};
@@ -31,6 +31,7 @@ use realfft::num_complex::Complex;
 use realfft::{ComplexToReal, FftNum, RealFftPlanner, RealToComplex};
 use std::sync::Arc;
 
+use super::autodiff::{constant, tracked_op};
 use super::flex_kernels::{Scalar, dims, tensor, values};
 
 /// The fused FFT convolution (see the [module docs](self)).
@@ -320,23 +321,12 @@ impl<B: FftConvBackend, C: CheckpointStrategy> FftConvBackend for Autodiff<B, C>
         kernel: FloatTensor<Self>,
         start: usize,
     ) -> FloatTensor<Self> {
-        match FftConv
-            .prepare::<C>([signal.node(), kernel.node()])
-            .compute_bound()
-            .stateful()
-        {
-            OpsKind::Tracked(mut prep) => {
-                let state = [prep.checkpoint(&signal), prep.checkpoint(&kernel)];
-                let output =
-                    B::fft_conv_1d(signal.into_primitive(), kernel.into_primitive(), start);
-                prep.finish((state, start), output)
-            }
-            OpsKind::UnTracked(prep) => prep.finish(B::fft_conv_1d(
-                signal.into_primitive(),
-                kernel.into_primitive(),
-                start,
-            )),
-        }
+        tracked_op::<B, C, _, _>(
+            FftConv,
+            [signal, kernel],
+            |[signal, kernel]| B::fft_conv_1d(signal, kernel, start),
+            |nodes, _| (nodes, start),
+        )
     }
 
     fn fft_conv_1d_backward(
@@ -352,7 +342,6 @@ impl<B: FftConvBackend, C: CheckpointStrategy> FftConvBackend for Autodiff<B, C>
             grad.into_primitive(),
             start,
         );
-        let constant = <Self as burn::backend::AutodiffBackend>::from_inner;
-        (constant(grad_signal), constant(grad_kernel))
+        (constant::<B, C>(grad_signal), constant::<B, C>(grad_kernel))
     }
 }

@@ -16,7 +16,7 @@
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::autodiff::grads::Gradients;
-use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
+use burn::backend::autodiff::ops::{Backward, Ops};
 use burn::backend::autodiff::{Autodiff, NodeId};
 use burn::backend::tensor::FloatTensor;
 use burn::backend::{Backend, Dispatch, backend_extension};
@@ -24,6 +24,7 @@ use burn::tensor::{DType, Tensor};
 use burn_flex::{Flex, FlexTensor};
 use rayon::prelude::*;
 
+use super::autodiff::{constant, tracked_op};
 use super::flex_kernels::values;
 
 /// Elements per parallel task.
@@ -164,23 +165,15 @@ impl<B: GeluBackend> Backward<B, 1> for FusedGelu {
 
 impl<B: GeluBackend, C: CheckpointStrategy> GeluBackend for Autodiff<B, C> {
     fn fused_gelu(x: FloatTensor<Self>) -> FloatTensor<Self> {
-        match FusedGelu
-            .prepare::<C>([x.node()])
-            .compute_bound()
-            .stateful()
-        {
-            OpsKind::Tracked(mut prep) => {
-                let state = prep.checkpoint(&x);
-                prep.finish(state, B::fused_gelu(x.into_primitive()))
-            }
-            OpsKind::UnTracked(prep) => prep.finish(B::fused_gelu(x.into_primitive())),
-        }
+        tracked_op::<B, C, _, _>(FusedGelu, [x], |[x]| B::fused_gelu(x), |[x], _| x)
     }
 
     fn fused_gelu_backward(x: FloatTensor<Self>, grad: FloatTensor<Self>) -> FloatTensor<Self> {
         // First-order only: the gradient is a constant to the graph.
-        let output = B::fused_gelu_backward(x.into_primitive(), grad.into_primitive());
-        <Self as burn::backend::AutodiffBackend>::from_inner(output)
+        constant::<B, C>(B::fused_gelu_backward(
+            x.into_primitive(),
+            grad.into_primitive(),
+        ))
     }
 }
 

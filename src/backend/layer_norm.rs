@@ -26,10 +26,11 @@ use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use burn::backend::tensor::FloatTensor;
-use burn::backend::{AutodiffBackend, Backend, Dispatch, backend_extension};
+use burn::backend::{Backend, Dispatch, backend_extension};
 use burn::nn::LayerNorm;
 use burn::tensor::{DType, Tensor};
 
+use super::autodiff::constant;
 use super::{is_flex, is_libtorch};
 
 #[cfg(feature = "flex")]
@@ -175,9 +176,9 @@ impl<B: LayerNormBackend, C: CheckpointStrategy> LayerNormBackend for Autodiff<B
             grad.into_primitive(),
         );
         (
-            Self::from_inner(grad_x),
-            Self::from_inner(grad_gamma),
-            Self::from_inner(grad_beta),
+            constant::<B, C>(grad_x),
+            constant::<B, C>(grad_gamma),
+            constant::<B, C>(grad_beta),
         )
     }
 }
@@ -292,7 +293,7 @@ mod tests {
         assert!(fused_parts(&without_bias, &x).is_none());
         #[cfg(feature = "ndarray")]
         {
-            let ndarray = crate::backend::device("ndarray").unwrap().autodiff();
+            let ndarray = crate::device::device("ndarray").unwrap().autodiff();
             let norm = norm_with_random_affine(&ndarray, DType::F32);
             assert!(fused_parts(&norm, &x.to_device(&ndarray)).is_none());
         }

@@ -23,7 +23,7 @@
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::autodiff::grads::Gradients;
-use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
+use burn::backend::autodiff::ops::{Backward, Ops};
 use burn::backend::autodiff::{Autodiff, NodeId};
 use burn::backend::tensor::FloatTensor;
 use burn::backend::{Backend, Dispatch, backend_extension};
@@ -32,6 +32,7 @@ use burn_flex::{Flex, FlexTensor};
 use rayon::prelude::*;
 
 use super::RowScale;
+use super::autodiff::{constant, tracked_op};
 use super::flex_kernels::{
     Scalar, axpy, dims, dot, from_f64, tensor, to_f64, unwritten, values, written, zeroed,
 };
@@ -557,31 +558,18 @@ impl<B: NormedProjectionBackend, C: CheckpointStrategy> NormedProjectionBackend 
         scale: RowScale,
         deferred: Option<UnitsGradient>,
     ) -> FloatTensor<Self> {
-        match NormedProjection
-            .prepare::<C>([rows.node(), weights.node()])
-            .compute_bound()
-            .stateful()
-        {
-            OpsKind::Tracked(mut prep) => {
+        tracked_op::<B, C, _, _>(
+            NormedProjection,
+            [rows, weights],
+            |[rows, weights]| B::normed_projection(rows, weights, scale, None),
+            |nodes, output| {
+                // This projection writes the units' gradient (see `UnitsGradient`).
                 if let Some(deferred) = &deferred {
                     deferred.claim();
                 }
-                let nodes = [prep.checkpoint(&rows), prep.checkpoint(&weights)];
-                let output = B::normed_projection(
-                    rows.into_primitive(),
-                    weights.into_primitive(),
-                    scale,
-                    None,
-                );
-                prep.finish((nodes, output.clone(), scale, deferred), output)
-            }
-            OpsKind::UnTracked(prep) => prep.finish(B::normed_projection(
-                rows.into_primitive(),
-                weights.into_primitive(),
-                scale,
-                None,
-            )),
-        }
+                (nodes, output.clone(), scale, deferred)
+            },
+        )
     }
 
     fn normed_projection_backward(
@@ -601,8 +589,7 @@ impl<B: NormedProjectionBackend, C: CheckpointStrategy> NormedProjectionBackend 
             scale,
             deferred,
         );
-        let constant = <Self as burn::backend::AutodiffBackend>::from_inner;
-        (constant(grad_rows), constant(grad_weights))
+        (constant::<B, C>(grad_rows), constant::<B, C>(grad_weights))
     }
 }
 

@@ -21,11 +21,13 @@
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::autodiff::grads::Gradients;
-use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
+use burn::backend::autodiff::ops::{Backward, Ops};
 use burn::backend::autodiff::{Autodiff, NodeId};
 use burn::backend::tensor::FloatTensor;
 use burn::backend::{Backend, Dispatch, backend_extension};
 use burn::tensor::Tensor;
+
+use super::autodiff::{constant, tracked_op};
 
 #[cfg(feature = "cube-kernels")]
 mod cube;
@@ -104,22 +106,12 @@ impl<B: SinkhornBackend, C: CheckpointStrategy> SinkhornBackend for Autodiff<B, 
             }
         }
 
-        match SinkhornKnopp
-            .prepare::<C>([logits.node()])
-            .compute_bound()
-            .stateful()
-        {
-            OpsKind::Tracked(mut prep) => {
-                let state = (prep.checkpoint(&logits), n, iterations, epsilon);
-                prep.finish(
-                    state,
-                    B::sinkhorn(logits.into_primitive(), n, iterations, epsilon),
-                )
-            }
-            OpsKind::UnTracked(prep) => {
-                prep.finish(B::sinkhorn(logits.into_primitive(), n, iterations, epsilon))
-            }
-        }
+        tracked_op::<B, C, _, _>(
+            SinkhornKnopp,
+            [logits],
+            |[logits]| B::sinkhorn(logits, n, iterations, epsilon),
+            |[logits], _| (logits, n, iterations, epsilon),
+        )
     }
 
     fn sinkhorn_backward(
@@ -137,6 +129,6 @@ impl<B: SinkhornBackend, C: CheckpointStrategy> SinkhornBackend for Autodiff<B, 
             iterations,
             epsilon,
         );
-        <Self as burn::backend::AutodiffBackend>::from_inner(output)
+        constant::<B, C>(output)
     }
 }

@@ -26,7 +26,7 @@
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::autodiff::grads::Gradients;
-use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
+use burn::backend::autodiff::ops::{Backward, Ops};
 use burn::backend::autodiff::{Autodiff, NodeId};
 use burn::backend::tensor::FloatTensor;
 use burn::backend::{Backend, Dispatch, backend_extension};
@@ -38,6 +38,7 @@ use std::borrow::Cow;
 use std::mem::MaybeUninit;
 use std::sync::{Arc, Mutex, MutexGuard};
 
+use super::autodiff::{constant, tracked_op};
 use super::flex_kernels::{
     Scalar, add_weighted_sum, dims, dots, tensor, unwritten, values, written, zeroed,
 };
@@ -669,22 +670,12 @@ impl<B: StreamMixBackend, C: CheckpointStrategy> StreamMixBackend for Autodiff<B
         units: FloatTensor<Self>,
         deferred: Option<UnitsGradient>,
     ) -> FloatTensor<Self> {
-        match Mix
-            .prepare::<C>([weights.node(), units.node()])
-            .compute_bound()
-            .stateful()
-        {
-            OpsKind::Tracked(mut prep) => {
-                let nodes = [prep.checkpoint(&weights), prep.checkpoint(&units)];
-                let output = B::stream_mix(weights.into_primitive(), units.into_primitive(), None);
-                prep.finish((nodes, deferred), output)
-            }
-            OpsKind::UnTracked(prep) => prep.finish(B::stream_mix(
-                weights.into_primitive(),
-                units.into_primitive(),
-                None,
-            )),
-        }
+        tracked_op::<B, C, _, _>(
+            Mix,
+            [weights, units],
+            |[weights, units]| B::stream_mix(weights, units, None),
+            |nodes, _| (nodes, deferred),
+        )
     }
 
     fn stream_mix_add(
@@ -694,32 +685,12 @@ impl<B: StreamMixBackend, C: CheckpointStrategy> StreamMixBackend for Autodiff<B
         branch: FloatTensor<Self>,
         deferred: Option<UnitsGradient>,
     ) -> FloatTensor<Self> {
-        let nodes = [weights.node(), units.node(), beta.node(), branch.node()];
-        match MixAdd.prepare::<C>(nodes).compute_bound().stateful() {
-            OpsKind::Tracked(mut prep) => {
-                let nodes = [
-                    prep.checkpoint(&weights),
-                    prep.checkpoint(&units),
-                    prep.checkpoint(&beta),
-                    prep.checkpoint(&branch),
-                ];
-                let output = B::stream_mix_add(
-                    weights.into_primitive(),
-                    units.into_primitive(),
-                    beta.into_primitive(),
-                    branch.into_primitive(),
-                    None,
-                );
-                prep.finish((nodes, deferred), output)
-            }
-            OpsKind::UnTracked(prep) => prep.finish(B::stream_mix_add(
-                weights.into_primitive(),
-                units.into_primitive(),
-                beta.into_primitive(),
-                branch.into_primitive(),
-                None,
-            )),
-        }
+        tracked_op::<B, C, _, _>(
+            MixAdd,
+            [weights, units, beta, branch],
+            |[weights, units, beta, branch]| B::stream_mix_add(weights, units, beta, branch, None),
+            |nodes, _| (nodes, deferred),
+        )
     }
 
     // First-order only: the gradients are constants to the graph.
@@ -770,12 +741,6 @@ impl<B: StreamMixBackend, C: CheckpointStrategy> StreamMixBackend for Autodiff<B
             constant::<B, C>(grad_branch),
         )
     }
-}
-
-fn constant<B: StreamMixBackend, C: CheckpointStrategy>(
-    tensor: FloatTensor<B>,
-) -> FloatTensor<Autodiff<B, C>> {
-    <Autodiff<B, C> as burn::backend::AutodiffBackend>::from_inner(tensor)
 }
 
 #[cfg(test)]
@@ -918,66 +883,6 @@ mod tests {
                     (None, None) => {}
                     _ => panic!("a gradient in one run only"),
                 }
-            }
-        }
-    }
-
-    /// Whole HC and mHC stacks (their streams' gradients through the shared slot on Flex) give
-    /// the same gradients under Burn's gradient checkpointing, which recomputes memory-bound
-    /// operations in the backward pass, as without it.
-    #[test]
-    fn gradient_checkpointing_gives_the_same_gradients() {
-        use crate::stack::Stack;
-        use crate::test_util::{OnDevice, WIDTH, blocks, gradient, input};
-        use crate::{HyperConnectionsConfig, MhcConfig};
-
-        let flex = Device::flex();
-        let x = input(&flex);
-        let hc = Stack::new(blocks(4, &flex), &HyperConnectionsConfig::new(WIDTH), &flex).unwrap();
-        let mhc = MhcConfig::new(WIDTH).with_phi_std(0.1).with_alpha_init(0.5);
-        let mhc = Stack::new(blocks(4, &flex), &mhc, &flex).unwrap();
-        let run = |checkpointing: bool| -> Vec<Vec<f64>> {
-            let device = flex.clone().autodiff();
-            let device = if checkpointing {
-                device.gradient_checkpointing()
-            } else {
-                device
-            };
-            let x = Tensor::<3>::from_data(x.to_data(), &device).require_grad();
-            let hc = hc.clone().map(&mut OnDevice(device.clone()));
-            let mhc = mhc.clone().map(&mut OnDevice(device.clone()));
-            let loss =
-                hc.forward(x.clone()).powi_scalar(2).sum() + mhc.forward(x.clone()).tanh().sum();
-            let grads = loss.backward();
-            let mut all = vec![
-                x.grad(&grads)
-                    .expect("x is used")
-                    .into_data()
-                    .iter()
-                    .collect(),
-            ];
-            all.extend(
-                hc.connectivity
-                    .layers
-                    .iter()
-                    .map(|layer| gradient(&layer.static_alpha, &grads)),
-            );
-            all.extend(
-                mhc.connectivity
-                    .layers
-                    .iter()
-                    .map(|layer| gradient(&layer.phi, &grads)),
-            );
-            let blocks = hc.blocks.iter().chain(&mhc.blocks);
-            all.extend(blocks.map(|block| gradient(&block.linear.weight, &grads)));
-            all
-        };
-        let (plain, checkpointed) = (run(false), run(true));
-        assert_eq!(plain.len(), checkpointed.len());
-        for (a, b) in plain.iter().zip(&checkpointed) {
-            assert_eq!(a.len(), b.len());
-            for (a, b) in a.iter().zip(b) {
-                assert!((a - b).abs() <= 1e-5 * (1.0 + a.abs()), "{a} vs {b}");
             }
         }
     }

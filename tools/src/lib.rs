@@ -151,6 +151,11 @@ impl Digits {
         self.labels.len()
     }
 
+    /// Whether there is no image.
+    pub fn is_empty(&self) -> bool {
+        self.labels.is_empty()
+    }
+
     /// A shuffled split into (train, held-out test), deterministic for a given `seed`.
     pub fn split(self, test_fraction: f64, seed: u64) -> (Self, Self) {
         let order = shuffled(self.len(), seed);

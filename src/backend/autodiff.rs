@@ -1,0 +1,42 @@
+//! The autodiff side that the fused ops share: the tracked-or-untracked forward with every
+//! parent checkpointed, and the first-order backward ops as constants to the graph.
+
+use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
+use burn::backend::autodiff::ops::{Backward, OpsKind};
+use burn::backend::autodiff::{Autodiff, NodeId};
+use burn::backend::tensor::FloatTensor;
+use burn::backend::{AutodiffBackend, Backend};
+
+/// A fused op under autodiff: `forward` on the inner backend's `parents`; where a parent needs a
+/// gradient, `op` is recorded with the state that `state` makes from the checkpointed parents
+/// and the output.
+pub(super) fn tracked_op<B, C, Op, const N: usize>(
+    op: Op,
+    parents: [FloatTensor<Autodiff<B, C>>; N],
+    forward: impl FnOnce([FloatTensor<B>; N]) -> FloatTensor<B>,
+    state: impl FnOnce([NodeId; N], &FloatTensor<B>) -> Op::State,
+) -> FloatTensor<Autodiff<B, C>>
+where
+    B: Backend,
+    C: CheckpointStrategy,
+    Op: Backward<B, N>,
+{
+    let nodes = parents.each_ref().map(|parent| parent.node());
+    match op.prepare::<C>(nodes).compute_bound().stateful() {
+        OpsKind::Tracked(mut prep) => {
+            let checkpoints = parents.each_ref().map(|parent| prep.checkpoint(parent));
+            let output = forward(parents.map(|parent| parent.into_primitive()));
+            let state = state(checkpoints, &output);
+            prep.finish(state, output)
+        }
+        OpsKind::UnTracked(prep) => prep.finish(forward(parents.map(|p| p.into_primitive()))),
+    }
+}
+
+/// A tensor computed on the inner backend as a constant to the graph: what the first-order
+/// `*_backward` ops return (the fused ops are not differentiable twice).
+pub(super) fn constant<B: Backend, C: CheckpointStrategy>(
+    tensor: FloatTensor<B>,
+) -> FloatTensor<Autodiff<B, C>> {
+    <Autodiff<B, C> as AutodiffBackend>::from_inner(tensor)
+}

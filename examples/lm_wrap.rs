@@ -7,7 +7,7 @@
 //! ```
 //!
 //! Token and position embeddings → burn-nn `TransformerEncoder` layers (pre-norm, causal mask)
-//! → LayerNorm → linear head, trained on four Shakespeare tragedies (examples/data, public
+//! → LayerNorm → linear head, trained on four Shakespeare tragedies (tools/data, public
 //! domain). The same initial weights, data order and budget are trained under every
 //! connectivity of `--connectivity`. The recipe is the papers' for language models: AdamW with
 //! `β2 = 0.95`, linear warmup then cosine decay, gradient clipping at 1, the connectivity in its

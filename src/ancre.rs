@@ -21,7 +21,7 @@
 //! its own backward (`src/backend/history_mix.rs`: one pass per target forward and backward).
 //! A step is one fused kernel on CubeCL backends: a forward pass fetches `p` once, as host
 //! scalars when no gradient flows to the logits (inference) and as aligned broadcast rows
-//! under a gradient (README, "Kernels per block on CubeCL").
+//! under a gradient (`BENCHMARKS.md`, "Kernels per block on CubeCL").
 //!
 //! In branch outputs, `coef(s_j) = e_j + Σ_{i<j} p_ij coef(s_i)`, so `C[:, j] = coef(s_{j-1})`
 //! and `out = coef(s_K)`.

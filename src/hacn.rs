@@ -16,7 +16,7 @@
 //!
 //! A step is one fused kernel on CubeCL backends: a forward pass fetches the gates once, as
 //! host scalars when no gradient flows to them (inference, frozen gates) and as aligned
-//! broadcast rows under a gradient (README, "Kernels per block on CubeCL").
+//! broadcast rows under a gradient (`BENCHMARKS.md`, "Kernels per block on CubeCL").
 
 use burn::module::Param;
 use burn::prelude::*;

@@ -2,7 +2,7 @@
 convolution `conv(Z, Z ⊙ K)`, causal, cropped to T, on PyTorch eager through `torch.fft`.
 
     pip install torch==2.9.0
-    python3 benches/peer/gconv_peer.py [--threads 2] [--runs 9] [--warmup 2]
+    python3 tools/peer/gconv_peer.py [--threads 2] [--runs 9] [--warmup 2]
 
 Same shapes as the Rust workload: Z `[8, 64, T]`, K `[1, 64, T]`, forward only (no autograd),
 FFT length the next power of two of 2T − 1. Each number is the median of `--runs` runs.

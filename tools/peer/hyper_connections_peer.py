@@ -2,7 +2,7 @@
 (0.4.11) on PyTorch eager, same blocks and shapes, as a ratio to its own residual in the same run.
 
     pip install torch hyper-connections==0.4.11
-    python3 benches/peer/hyper_connections_peer.py [--device cpu|cuda] [--runs 7] [--warmup 3]
+    python3 tools/peer/hyper_connections_peer.py [--device cpu|cuda] [--runs 7] [--warmup 3]
 
 Blocks are pre-LN MLPs (LN -> Linear(d, 4d) -> GELU -> Linear(4d, d)) on [8, 128, 256]; HC is
 dynamic with tanh and mHC uses 20 Sinkhorn iterations, both with n = 4 streams. `train_step` is

@@ -110,7 +110,7 @@ pub fn progress(len: u64, prefix: impl Into<String>) -> ProgressBar {
 }
 
 /// The UCI handwritten digits (8x8 images, pixels 0..16, labels 0..9; CC BY 4.0, see
-/// examples/data/README.md), shipped in the crate so the examples run offline.
+/// tools/data/README.md), shipped in the repository so the examples run offline.
 pub struct Digits {
     /// One row of 64 pixels per image, scaled to `[0, 1]`.
     pub pixels: Vec<[f32; 64]>,

@@ -17,7 +17,7 @@ use burn_connectivity::{
 };
 use indicatif::ProgressBar;
 
-/// Four Shakespeare tragedies (public domain; examples/data).
+/// Four Shakespeare tragedies (public domain; tools/data).
 pub const TEXT: &str = include_str!("../data/shakespeare.txt");
 
 /// The model and its training run.

@@ -1,4 +1,4 @@
-//! The benchmark workloads, shared by `benches/connectivity.rs` (divan), the
+//! The benchmark workloads, shared by `tools/benches/connectivity.rs` (divan), the
 //! `bench_connectivity` tool (JSON lines) and `kernel_counts`.
 //!
 //! * `stack{12,24}`: pre-LN MLP blocks `LN → Linear(d, 4d) → GELU → Linear(4d, d)` on

@@ -1,4 +1,4 @@
-//! Times the benchmark workloads (see `benches/workloads/mod.rs`) and prints one JSON object per
+//! Times the benchmark workloads (see `tools/src/workloads.rs`) and prints one JSON object per
 //! line on stdout, then the ratios to the plain residual on stderr:
 //!
 //! ```text

@@ -45,6 +45,8 @@ fn bad_flags_are_errors_naming_the_flag() {
     assert_refused("quickstart", &["--lr=-1"], "--lr");
     assert_refused("quickstart", &["--blocks", "0"], "--blocks");
     assert_refused("quickstart", &["--device", "tpu"], "tpu");
+    assert_refused("llama_wrap", &["--heads", "3"], "--heads");
+    assert_refused("llama_wrap", &["--steps", "0"], "--steps");
     if cfg!(feature = "train") {
         assert_refused("ddp_wrap", &["--strategy", "ddp"], "--strategy ddp");
     }

@@ -21,6 +21,22 @@ pub mod lm;
 pub mod terminator;
 pub mod workloads;
 
+/// Draws every parameter of `module` now. burn-nn's layers draw their initial values when first
+/// used, so without this a connectivity that draws its own random parameters at construction
+/// (H-ACN's noisy gates, mHC's `φ`, HyperZZW) would move the generator before the blocks draw
+/// theirs, and the variants of a comparison would not start from the same weights.
+pub fn draw_now<M: Module>(module: &M) {
+    struct DrawNow;
+
+    impl burn::module::ModuleVisitor for DrawNow {
+        fn visit_float<const D: usize>(&mut self, param: &burn::module::Param<Tensor<D>>) {
+            let _ = param.val();
+        }
+    }
+
+    module.visit(&mut DrawNow);
+}
+
 /// The `--device` flag every example takes.
 #[derive(clap::Args, Debug, Clone)]
 pub struct DeviceArg {
@@ -264,6 +280,9 @@ impl<C: StreamConnectivity<2>> Classifier<C> {
             .map_err(|err| err.to_string())?;
         let norm = LayerNormConfig::new(width).init(device);
         let head = LinearConfig::new(width, classes).init(device);
+        draw_now(&embed);
+        draw_now(&blocks);
+        draw_now(&head);
         let stack = Stack::new(blocks, connectivity, device).map_err(|err| err.to_string())?;
         Ok(Self {
             embed,

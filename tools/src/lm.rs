@@ -131,6 +131,11 @@ impl<C: StreamConnectivity<3>> CharLm<C> {
                 .init(device);
         let norm = LayerNormConfig::new(width).init(device);
         let head = LinearConfig::new(width, vocabulary).init(device);
+        for module in [&token, &position] {
+            crate::draw_now(module);
+        }
+        crate::draw_now(&layers);
+        crate::draw_now(&head);
         let error = |err: burn_connectivity::Error| err.to_string();
         let mut encoder = ConnectedEncoder::new(layers, settings.granularity, connectivity, device)
             .map_err(error)?;

@@ -2,7 +2,6 @@
 //! `cargo test` builds the examples next to this test's binary (`target/<profile>/examples/`).
 
 use std::path::PathBuf;
-use std::process::Command;
 
 /// The built example `name`.
 fn example(name: &str) -> PathBuf {
@@ -14,21 +13,11 @@ fn example(name: &str) -> PathBuf {
     profile.join("examples").join(name)
 }
 
-/// Runs `name` with `args`; asserts exit code 2, `flag` in the message and no panic.
+/// Runs the example `name` with `args`; asserts exit code 2, `flag` in the message and no panic.
 fn assert_refused(name: &str, args: &[&str], flag: &str) {
     let path = example(name);
     assert!(path.exists(), "{} not built", path.display());
-    let output = Command::new(&path).args(args).output().expect("runs");
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert_eq!(output.status.code(), Some(2), "{name} {args:?}: {stderr}");
-    assert!(
-        stderr.contains(flag),
-        "{name} {args:?} does not name {flag}: {stderr}"
-    );
-    assert!(
-        !stderr.contains("panicked"),
-        "{name} {args:?} panicked: {stderr}"
-    );
+    burn_connectivity_tools::assert_refused(&path, args, flag);
 }
 
 #[test]

@@ -37,6 +37,26 @@ pub fn draw_now<M: Module>(module: &M) {
     module.visit(&mut DrawNow);
 }
 
+/// For the command-line tests: runs `program` with `args` and asserts exit code 2, `flag` in the
+/// message on standard error, and no panic.
+pub fn assert_refused(program: &std::path::Path, args: &[&str], flag: &str) {
+    let output = std::process::Command::new(program)
+        .args(args)
+        .output()
+        .expect("runs");
+    let name = program.display();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(2), "{name} {args:?}: {stderr}");
+    assert!(
+        stderr.contains(flag),
+        "{name} {args:?} does not name {flag}: {stderr}"
+    );
+    assert!(
+        !stderr.contains("panicked"),
+        "{name} {args:?} panicked: {stderr}"
+    );
+}
+
 /// The `--device` flag every example takes.
 #[derive(clap::Args, Debug, Clone)]
 pub struct DeviceArg {

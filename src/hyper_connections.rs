@@ -613,4 +613,36 @@ mod tests {
         ));
         assert_eq!(hc.residual_distance_from_identity(), vec![0.0, 0.0]);
     }
+
+    fn mismatched() -> (Stack<crate::MlpBlock, HyperConnections>, Tensor<3>) {
+        let device = Device::flex();
+        let blocks = crate::MlpBlockConfig::new(8, 16)
+            .init_stack(2, &device)
+            .unwrap();
+        // The width given twice, differently: 9 to the connectivity, 8 to the blocks.
+        let stack = Stack::new(blocks, &HyperConnectionsConfig::new(9), &device).unwrap();
+        (stack, Tensor::zeros([2, 3, 8], &device))
+    }
+
+    #[test]
+    fn a_width_mismatch_is_an_error_naming_both_widths() {
+        let (stack, input) = mismatched();
+        let err = stack.check_input(&input).unwrap_err();
+        assert!(matches!(
+            err,
+            Error::WidthMismatch {
+                expected: 9,
+                found: 8,
+                ..
+            }
+        ));
+        assert!(err.to_string().contains("`width`"), "{err}");
+    }
+
+    #[test]
+    #[should_panic(expected = "expected width 9, found 8")]
+    fn forward_refuses_a_width_mismatch_before_the_first_block() {
+        let (stack, input) = mismatched();
+        let _ = stack.forward(input);
+    }
 }

@@ -150,6 +150,10 @@ impl<M: Module + ModuleDisplay, C: Connectivity> Stack<M, C> {
     }
 
     /// The model output `y`.
+    ///
+    /// # Panics
+    /// If the input's width does not fit the connectivity or the blocks: the message names both
+    /// widths; [`Stack::check_input`] returns the same as an [`Error`].
     pub fn forward<const D: usize>(&self, input: Tensor<D>) -> Tensor<D>
     where
         M: Block<D, Context: Default>,
@@ -159,6 +163,10 @@ impl<M: Module + ModuleDisplay, C: Connectivity> Stack<M, C> {
     }
 
     /// The model output `y`, passing `context` to every block.
+    ///
+    /// # Panics
+    /// If the input's width does not fit the connectivity or the blocks: the message names both
+    /// widths; [`Stack::check_input`] returns the same as an [`Error`].
     pub fn forward_with<const D: usize>(&self, input: Tensor<D>, context: &M::Context) -> Tensor<D>
     where
         M: Block<D>,
@@ -201,6 +209,10 @@ impl<M: Module + ModuleDisplay, C: Connectivity> Stack<M, C> {
 
     /// The layer-wise readout `[y_0, y_1, …, y_L]`: the output "up to block k" for every `k`,
     /// in one pass. `y_L` is the model output.
+    ///
+    /// # Panics
+    /// If the input's width does not fit the connectivity or the blocks: the message names both
+    /// widths; [`Stack::check_input`] returns the same as an [`Error`].
     pub fn readout<const D: usize>(&self, input: Tensor<D>) -> Vec<Tensor<D>>
     where
         M: Block<D, Context: Default>,
@@ -210,6 +222,10 @@ impl<M: Module + ModuleDisplay, C: Connectivity> Stack<M, C> {
     }
 
     /// [`Stack::readout`] with a block context.
+    ///
+    /// # Panics
+    /// If the input's width does not fit the connectivity or the blocks: the message names both
+    /// widths; [`Stack::check_input`] returns the same as an [`Error`].
     pub fn readout_with<const D: usize>(
         &self,
         input: Tensor<D>,
@@ -252,41 +268,5 @@ impl<M: Module + ModuleDisplay, C: Connectivity> Stack<M, C> {
             state = connectivity.step(state, index, branch);
         }
         state
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::{HyperConnectionsConfig, MlpBlockConfig};
-
-    fn mismatched() -> (Stack<crate::MlpBlock, crate::HyperConnections>, Tensor<3>) {
-        let device = Device::flex();
-        let blocks = MlpBlockConfig::new(8, 16).init_stack(2, &device).unwrap();
-        // The width given twice, differently: 9 to the connectivity, 8 to the blocks.
-        let stack = Stack::new(blocks, &HyperConnectionsConfig::new(9), &device).unwrap();
-        (stack, Tensor::zeros([2, 3, 8], &device))
-    }
-
-    #[test]
-    fn a_width_mismatch_is_an_error_naming_both_widths() {
-        let (stack, input) = mismatched();
-        let err = stack.check_input(&input).unwrap_err();
-        assert!(matches!(
-            err,
-            Error::WidthMismatch {
-                expected: 9,
-                found: 8,
-                ..
-            }
-        ));
-        assert!(err.to_string().contains("`width`"), "{err}");
-    }
-
-    #[test]
-    #[should_panic(expected = "expected width 9, found 8")]
-    fn forward_refuses_a_width_mismatch_before_the_first_block() {
-        let (stack, input) = mismatched();
-        let _ = stack.forward(input);
     }
 }

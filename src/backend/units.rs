@@ -24,7 +24,8 @@ pub(crate) struct RowScale {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum UnitOps {
     /// The fused Flex ops; `autodiff`: whether a layer's ops share one gradient slot for its
-    /// units.
+    /// units. Never chosen in a build without `flex`.
+    #[cfg_attr(not(feature = "flex"), allow(dead_code))]
     Fused { autodiff: bool },
     /// Tensor ops (one fused kernel per mixing on CubeCL, through Burn's fusion).
     Composed,
@@ -33,13 +34,14 @@ pub(crate) enum UnitOps {
 impl UnitOps {
     /// The fused ops where the device has them (Flex, f32 or f64), else the composed ones.
     pub(crate) fn for_units(units: &Tensor<3>) -> Self {
-        if cfg!(feature = "flex") && super::has_fused_flex_ops(units) {
-            Self::Fused {
+        #[cfg(feature = "flex")]
+        if super::has_fused_flex_ops(units) {
+            return Self::Fused {
                 autodiff: units.device().is_autodiff(),
-            }
-        } else {
-            Self::Composed
+            };
         }
+        let _ = units;
+        Self::Composed
     }
 
     /// The ops of one layer: under autodiff on Flex with a fresh slot in which the layer's
@@ -68,6 +70,7 @@ fn new_units_gradient() -> Option<UnitsGradient> {
 
 /// The unit ops of one layer (see [`UnitOps::layer`]).
 #[derive(Debug, Clone)]
+#[cfg_attr(not(feature = "flex"), allow(dead_code))] // read by the fused ops only
 pub struct LayerOps {
     ops: UnitOps,
     gradient: Option<UnitsGradient>,

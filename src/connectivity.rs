@@ -39,6 +39,13 @@ pub trait Connectivity: Module + ModuleDisplay {
     where
         Self: Sized;
 
+    /// The width (last axis) of the streams this connectivity was built for, if its parameters
+    /// fix one, so that a wrapper whose blocks know their width can refuse a mismatch when it
+    /// is built. `None` by default.
+    fn stream_width(&self) -> Option<usize> {
+        None
+    }
+
     /// Checks the shape of a stack input (`dims` of the tensor), for connectivities with
     /// parameters of a fixed width or length. Accepts everything by default.
     ///

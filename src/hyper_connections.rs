@@ -645,4 +645,26 @@ mod tests {
         let (stack, input) = mismatched();
         let _ = stack.forward(input);
     }
+
+    /// Wrapping an encoder, the layers tell their width: a mismatch is refused when the wrapper
+    /// is built.
+    #[test]
+    fn an_encoder_of_another_width_is_refused_at_construction() {
+        use burn::nn::transformer::TransformerEncoderConfig;
+
+        use crate::transformer::{ConnectedEncoder, Granularity};
+
+        let device = Device::flex();
+        let encoder = TransformerEncoderConfig::new(8, 16, 2, 2).init(&device);
+        let config = HyperConnectionsConfig::new(9);
+        let err = ConnectedEncoder::new(encoder, Granularity::Block, &config, &device).unwrap_err();
+        assert!(matches!(
+            err,
+            Error::WidthMismatch {
+                expected: 9,
+                found: 8,
+                ..
+            }
+        ));
+    }
 }

@@ -429,8 +429,12 @@ impl<T: MultiStream> Connectivity for T {
         Ok(self.first_layers(depth))
     }
 
+    fn stream_width(&self) -> Option<usize> {
+        Some(MultiStream::stream_width(self))
+    }
+
     fn check_input(&self, dims: &[usize]) -> Result<()> {
-        check_width(T::NAME, self.stream_width(), dims)
+        check_width(T::NAME, MultiStream::stream_width(self), dims)
     }
 }
 

@@ -169,7 +169,7 @@ impl<C: Connectivity> ConnectedEncoder<C> {
     /// # Errors
     /// [`Error::NoBlocks`] without layers, [`Error::BlockCountMismatch`] if the connectivity was
     /// built for another number of blocks, [`Error::WidthMismatch`] for layers of different
-    /// widths.
+    /// widths or a connectivity built for another stream width.
     pub fn from_parts(
         layers: Vec<TransformerEncoderLayer>,
         connectivity: C,
@@ -188,6 +188,17 @@ impl<C: Connectivity> ConnectedEncoder<C> {
                 name: format!("width of encoder layer {index}"),
                 expected: width,
                 found: layer.mha.d_model,
+            });
+        }
+        if let Some(expected) = connectivity.stream_width()
+            && expected != width
+        {
+            return Err(Error::WidthMismatch {
+                name: "the connectivity's stream width (its config's `width`) against the \
+                       encoder's d_model"
+                    .into(),
+                expected,
+                found: width,
             });
         }
         let blocks = layers.len() * granularity.blocks_per_layer();

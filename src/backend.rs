@@ -10,7 +10,7 @@ use burn::prelude::*;
 /// In a fused op's `Backward`: registers each computed gradient with its parent, where the
 /// parent is tracked (the parents' node type is private to burn-autodiff, hence a macro; `B` is
 /// the op's backend). Defined before the op modules, which use it.
-#[cfg(any(feature = "flex", feature = "tch"))]
+#[cfg(any(feature = "flex", feature = "tch", feature = "cube-kernels"))]
 macro_rules! register_tracked {
     ($grads:expr, $parents:expr, $computed:expr) => {
         for (parent, grad) in $parents.into_iter().zip($computed) {
@@ -43,6 +43,8 @@ pub(crate) use scales::{Scales, UsedEntries};
 pub(crate) mod sinkhorn;
 #[cfg(feature = "flex")]
 pub(crate) mod stream_mix;
+#[cfg(feature = "cube-kernels")]
+mod unit_kernels;
 #[cfg(feature = "flex")]
 pub(crate) use stream_mix::UnitsGradient;
 mod units;

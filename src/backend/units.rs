@@ -1,7 +1,8 @@
 //! The ops of the multi-stream connectivities on their `[tokens, U, w]` units: the normalised
 //! projection that starts token-dependent connections and the mixing `Aᵀ S (+ β h)`. Fused with
-//! their own backward on Flex (`normed_projection.rs`, `stream_mix.rs`), tensor ops elsewhere;
-//! which of the two is chosen once per forward pass ([`UnitOps::for_units`]).
+//! their own backward on Flex (`normed_projection.rs`, `stream_mix.rs`) and on the CubeCL
+//! backends (`unit_kernels.rs`), tensor ops elsewhere; which form is chosen once per forward
+//! pass ([`UnitOps::for_units`]).
 
 use burn::prelude::*;
 
@@ -27,18 +28,27 @@ pub(crate) enum UnitOps {
     /// units. Never chosen in a build without `flex`.
     #[cfg_attr(not(feature = "flex"), allow(dead_code))]
     Fused { autodiff: bool },
-    /// Tensor ops (one fused kernel per mixing on CubeCL, through Burn's fusion).
+    /// The CubeCL kernels, each with its own backward. Never chosen in a build without
+    /// `cube-kernels`.
+    #[cfg_attr(not(feature = "cube-kernels"), allow(dead_code))]
+    Kernels,
+    /// Tensor ops.
     Composed,
 }
 
 impl UnitOps {
-    /// The fused ops where the device has them (Flex, f32 or f64), else the composed ones.
+    /// The fused ops where the device has them (Flex, f32 or f64; CubeCL devices, up to
+    /// `unit_kernels::MAX_UNITS` units), else the composed ones.
     pub(crate) fn for_units(units: &Tensor<3>) -> Self {
         #[cfg(feature = "flex")]
         if super::has_fused_flex_ops(units) {
             return Self::Fused {
                 autodiff: units.device().is_autodiff(),
             };
+        }
+        #[cfg(feature = "cube-kernels")]
+        if super::unit_kernels::supports(units) {
+            return Self::Kernels;
         }
         let _ = units;
         Self::Composed
@@ -108,6 +118,10 @@ impl LayerOps {
                 self.gradient.as_ref(),
             );
         }
+        #[cfg(feature = "cube-kernels")]
+        if let UnitOps::Kernels = self.ops {
+            return super::unit_kernels::projection(rows, weights, scale);
+        }
         composed_normed_projection(rows, weights, scale)
     }
 
@@ -128,6 +142,10 @@ impl LayerOps {
                 addend,
                 self.gradient.as_ref(),
             );
+        }
+        #[cfg(feature = "cube-kernels")]
+        if let UnitOps::Kernels = self.ops {
+            return super::unit_kernels::mix(weights, units, addend);
         }
         composed_mix(weights, units, addend)
     }

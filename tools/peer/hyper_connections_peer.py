@@ -3,8 +3,11 @@
 
     pip install torch hyper-connections==0.4.11
     python3 tools/peer/hyper_connections_peer.py [--device cpu|cuda] [--runs 7] [--warmup 3]
+        [--workload stack|model] [--model-size full|reduced]
 
-Blocks are pre-LN MLPs (LN -> Linear(d, 4d) -> GELU -> Linear(4d, d)) on [8, 128, 256]; HC is
+Blocks are pre-LN MLPs (LN -> Linear(d, 4d) -> GELU -> Linear(4d, d)) on [8, 128, 256] at depths
+12 and 24 (`stack`), or 12 of them on [8, 1024, 768] (`model`, GPT-2-small width; `--model-size
+reduced`, the default on CPU, is [1, 32, 768]), f32; HC is
 dynamic with tanh and mHC uses 20 Sinkhorn iterations, both with n = 4 streams. `train_step` is
 forward + backward of the mean output (no optimiser update), like the Rust bench. Variants are
 timed round-robin; each number is the median of `--runs` runs.
@@ -20,7 +23,14 @@ from torch import nn
 from hyper_connections import get_init_and_expand_reduce_stream_functions
 from hyper_connections import mc_get_init_and_expand_reduce_stream_functions
 
-BATCH, LENGTH, WIDTH, STREAMS = 8, 128, 256, 4
+STREAMS = 4
+# (batch, length, width, depths) per workload, as in tools/src/workloads.rs.
+SHAPES = {
+    "stack": (8, 128, 256, (12, 24)),
+    "model": (8, 1024, 768, (12,)),
+    "model_reduced": (1, 32, 768, (12,)),
+}
+WIDTH = 256
 
 
 def block():
@@ -71,14 +81,24 @@ def main():
     parser.add_argument("--runs", type=int, default=7)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--threads", type=int, default=0, help="CPU threads (0: PyTorch's default)")
+    parser.add_argument("--workload", choices=("stack", "model"), default="stack")
+    parser.add_argument("--model-size", choices=("full", "reduced"), default=None,
+                        help="model workload size (default: full on cuda, reduced on cpu)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     torch.manual_seed(0)
-    x = torch.randn(BATCH, LENGTH, WIDTH, device=device)
-    for depth in (12, 24):
+    workload = args.workload
+    if workload == "model":
+        size = args.model_size or ("full" if device.type == "cuda" else "reduced")
+        workload = "model" if size == "full" else "model_reduced"
+    batch, length, width, depths = SHAPES[workload]
+    global WIDTH
+    WIDTH = width
+    x = torch.randn(batch, length, width, device=device)
+    for depth in depths:
         models = {name: make(depth).to(device) for name, make in VARIANTS.items()}
         for mode in ("forward", "train_step"):
 
@@ -102,7 +122,9 @@ def main():
             for name, samples in times.items():
                 ms = statistics.median(samples)
                 print(json.dumps({
-                    "workload": f"stack{depth}.{mode}",
+                    "workload": (f"stack{depth}.{mode}" if args.workload == "stack"
+                                 else f"model.{mode}"),
+                    "shape": [batch, length, width],
                     "variant": name,
                     "ms": round(ms, 3),
                     "ratio": round(ms / base, 3),

@@ -8,6 +8,11 @@
 //!   DWA (`dwa`, dilation 1 and period 1: an average after every block). `forward` runs the stack;
 //!   `train_step` runs forward and backward of the mean output (gradients of every parameter,
 //!   no optimiser update, which costs the same for every variant).
+//! * `model.{forward,train_step}`: the same stacks at model scale, 12 blocks at GPT-2-small
+//!   width: `[B, T, d] = [8, 1024, 768]` ([`MODEL`], for GPUs), or `[1, 32, 768]`
+//!   ([`MODEL_REDUCED`], a check on CPUs that the workload runs). MLP blocks only, no attention:
+//!   the connectivity's share of a step is larger than in a transformer of the same width, so
+//!   the ratios are upper bounds for one.
 //! * `gconv{64,128,256,1024,4096}`: global HyperZZW `conv(Z, Z ⊙ K)` on `[B, C, T] = [8, 64, T]`, by FFT
 //!   or by direct `O(T²)` convolution.
 
@@ -27,6 +32,51 @@ pub const WIDTH: usize = 256;
 pub const DEPTHS: [usize; 2] = [12, 24];
 pub const CHANNELS: usize = 64;
 pub const GCONV_LENGTHS: [usize; 5] = [64, 128, 256, 1024, 4096];
+
+/// The sizes of a stack workload.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StackShape {
+    pub batch: usize,
+    pub length: usize,
+    pub width: usize,
+    pub depth: usize,
+}
+
+impl StackShape {
+    /// The `stack{depth}` workloads' shape.
+    pub const fn stack(depth: usize) -> Self {
+        Self {
+            batch: BATCH,
+            length: LENGTH,
+            width: WIDTH,
+            depth,
+        }
+    }
+
+    /// A random `[B, T, d]` stack input.
+    pub fn input(self, device: &Device) -> Tensor<3> {
+        Tensor::random(
+            [self.batch, self.length, self.width],
+            Distribution::Normal(0.0, 1.0),
+            device,
+        )
+    }
+}
+
+/// The model-scale workload: 12 blocks at GPT-2-small width on `[8, 1024, 768]`.
+pub const MODEL: StackShape = StackShape {
+    batch: 8,
+    length: 1024,
+    width: 768,
+    depth: 12,
+};
+
+/// [`MODEL`] at the size a CPU runs in seconds: `[1, 32, 768]`.
+pub const MODEL_REDUCED: StackShape = StackShape {
+    batch: 1,
+    length: 32,
+    ..MODEL
+};
 
 /// How the blocks of a stack are wired.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -86,8 +136,19 @@ pub enum Model {
 }
 
 impl Model {
+    /// A `stack{depth}` workload's model.
     pub fn new(variant: Variant, depth: usize, device: &Device) -> Self {
-        let blocks = MlpBlockConfig::new(WIDTH, 4 * WIDTH)
+        Self::with_shape(variant, StackShape::stack(depth), device)
+    }
+
+    pub fn with_shape(variant: Variant, shape: StackShape, device: &Device) -> Self {
+        let StackShape {
+            width,
+            length,
+            depth,
+            ..
+        } = shape;
+        let blocks = MlpBlockConfig::new(width, 4 * width)
             .init_stack(depth, device)
             .expect("valid block config");
         let wired = "valid connectivity config";
@@ -104,15 +165,15 @@ impl Model {
                 Self::Ancre(Stack::new(blocks, &AncreConfig::new(), device).expect(wired))
             }
             Variant::HyperZzw => {
-                let config = HyperZzwConnectivityConfig::new(WIDTH, LENGTH);
+                let config = HyperZzwConnectivityConfig::new(width, length);
                 Self::HyperZzw(Stack::new(blocks, &config, device).expect(wired))
             }
             Variant::Hc => {
-                let config = HyperConnectionsConfig::new(WIDTH).with_streams(4);
+                let config = HyperConnectionsConfig::new(width).with_streams(4);
                 Self::Hc(Stack::new(blocks, &config, device).expect(wired))
             }
             Variant::Mhc => {
-                let config = MhcConfig::new(WIDTH).with_streams(4);
+                let config = MhcConfig::new(width).with_streams(4);
                 Self::Mhc(Stack::new(blocks, &config, device).expect(wired))
             }
             Variant::Dwa => {
@@ -141,13 +202,9 @@ impl Model {
     }
 }
 
-/// A random `[B, T, d]` stack input.
+/// A random `[B, T, d]` input of the `stack{depth}` workloads.
 pub fn stack_input(device: &Device) -> Tensor<3> {
-    Tensor::random(
-        [BATCH, LENGTH, WIDTH],
-        Distribution::Normal(0.0, 1.0),
-        device,
-    )
+    StackShape::stack(0).input(device)
 }
 
 /// How the global convolution is computed.

@@ -33,3 +33,23 @@ fn help_lists_every_flag_with_its_default() {
         assert!(help.contains(expected), "--help lacks {expected}: {help}");
     }
 }
+
+/// The model-scale workload runs every variant at GPT-2-small width (reduced to `[1, 32]`
+/// tokens on Flex) and reports a forward and a train-step line for each.
+#[test]
+fn model_workload_runs_every_variant_at_reduced_size() {
+    let output = Command::new(env!("CARGO_BIN_EXE_bench_connectivity"))
+        .args(["--only", "model", "--runs", "1", "--warmup", "0"])
+        .output()
+        .expect("runs");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "{stderr}");
+    assert!(stderr.contains("[1, 32, 768]"), "{stderr}");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    for variant in ["residual", "hacn", "ancre", "hyperzzw", "hc", "mhc", "dwa"] {
+        for pass in ["forward", "train_step"] {
+            let line = format!(r#""workload":"model.{pass}","variant":"{variant}""#);
+            assert!(stdout.contains(&line), "no {line} in {stdout}");
+        }
+    }
+}

@@ -14,8 +14,13 @@
 //! per-round ratios beside them: their spread is the noise of the comparison.
 //!
 //! ```text
-//! cargo run --release -p burn-connectivity-tools --bin bench_connectivity -- [--device flex] [--runs 5] [--warmup 1] [--only stack|gconv|profile]
+//! cargo run --release -p burn-connectivity-tools --bin bench_connectivity -- [--device flex] [--runs 5] [--warmup 1] [--only stack|model|gconv|profile] [--model-size full|reduced]
 //! ```
+//!
+//! `--only model` times the stacks at model scale (12 blocks at GPT-2-small width, d = 768, on
+//! `[8, 1024]` tokens, f32; `[1, 32]` tokens with `--model-size reduced`, the default on CPU
+//! backends), forward and train step: the workload where a GPU does real work. The PyTorch
+//! peer (`tools/peer/hyper_connections_peer.py --workload model`) times the same shapes.
 //!
 //! `--only profile` times the operation classes of one residual MLP block on their own (forward
 //! and backward at the block's shapes) next to the depth-12 residual train step, and prints
@@ -34,8 +39,8 @@ use burn::prelude::*;
 use clap::Parser;
 use common::DeviceArg;
 use workloads::{
-    ConvMethod, DEPTHS, GCONV_LENGTHS, Model, OpClass, OpProfile, Variant, gconv_inputs,
-    stack_input,
+    ConvMethod, DEPTHS, GCONV_LENGTHS, MODEL, MODEL_REDUCED, Model, OpClass, OpProfile, StackShape,
+    Variant, gconv_inputs, stack_input,
 };
 
 /// The system allocator, keeping the current and the peak number of live heap bytes.
@@ -83,6 +88,8 @@ static ALLOCATOR: PeakAllocator = PeakAllocator;
 enum Workload {
     /// Stacks of pre-LN MLP blocks under every connectivity, forward and train step.
     Stack,
+    /// The stacks at model scale: 12 blocks, d = 768, [8, 1024] tokens (see `--model-size`).
+    Model,
     /// The global HyperZZW convolution, FFT vs direct.
     Gconv,
     /// The residual train step next to each op class of one block.
@@ -107,6 +114,17 @@ struct Flags {
     /// Stack variants, comma separated (default: all; the residual is always timed).
     #[arg(long, default_value = "")]
     variants: String,
+    /// Size of the model workload: full ([8, 1024, 768]) or reduced ([1, 32, 768]); default:
+    /// full on the GPU backends, reduced on the CPU ones.
+    #[arg(long, value_enum)]
+    model_size: Option<ModelSize>,
+}
+
+/// The sizes of the model workload.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+enum ModelSize {
+    Full,
+    Reduced,
 }
 
 /// One timed run of `work` (followed by a device sync): milliseconds and peak heap growth.
@@ -272,38 +290,44 @@ fn run(flags: Flags) -> Result<(), String> {
     };
 
     if matches!(only, None | Some(Workload::Stack)) {
-        let training = device.clone().autodiff();
         for depth in DEPTHS {
-            for (mode, device) in [("forward", &device), ("train_step", &training)] {
-                let started = std::time::Instant::now();
-                let models: Vec<Model> = variants
-                    .iter()
-                    .map(|&variant| Model::new(variant, depth, device))
-                    .collect();
-                let input = stack_input(device);
-                let works: Vec<Box<dyn Fn() -> Box<dyn std::any::Any>>> = models
-                    .iter()
-                    .map(|model| -> Box<dyn Fn() -> Box<dyn std::any::Any>> {
-                        let input = input.clone();
-                        if mode == "forward" {
-                            Box::new(move || Box::new(model.forward(input.clone())))
-                        } else {
-                            Box::new(move || Box::new(model.train_step(input.clone())))
-                        }
-                    })
-                    .collect();
-                let works: Vec<&dyn Fn() -> Box<dyn std::any::Any>> =
-                    works.iter().map(|work| work.as_ref()).collect();
-                let timings = measure_interleaved(device, runs, warmup, &works);
-                for (variant, timing) in variants.iter().zip(timings) {
-                    report.record(format!("stack{depth}.{mode}"), variant.name(), timing);
-                }
-                eprintln!(
-                    "stack{depth}.{mode}: {:.1} s with warm-up",
-                    started.elapsed().as_secs_f64()
-                );
-            }
+            let shape = StackShape::stack(depth);
+            time_stacks(
+                &device,
+                shape,
+                &format!("stack{depth}"),
+                &variants,
+                runs,
+                warmup,
+                &mut report,
+            );
         }
+        report.print_ratios(Variant::Residual.name());
+    }
+    if only == Some(Workload::Model) {
+        let gpu = !matches!(flags.device.device.as_str(), "flex" | "ndarray" | "tch");
+        let size = flags.model_size.unwrap_or(if gpu {
+            ModelSize::Full
+        } else {
+            ModelSize::Reduced
+        });
+        let shape = match size {
+            ModelSize::Full => MODEL,
+            ModelSize::Reduced => MODEL_REDUCED,
+        };
+        eprintln!(
+            "model workload: {} pre-LN MLP blocks on [{}, {}, {}], f32",
+            shape.depth, shape.batch, shape.length, shape.width
+        );
+        time_stacks(
+            &device,
+            shape,
+            "model",
+            &variants,
+            runs,
+            warmup,
+            &mut report,
+        );
         report.print_ratios(Variant::Residual.name());
     }
     if only == Some(Workload::Profile) {
@@ -329,6 +353,49 @@ fn run(flags: Flags) -> Result<(), String> {
         report.print_ratios(ConvMethod::Direct.name());
     }
     Ok(())
+}
+
+/// Times the forward pass and the train step of every variant's stack of `shape`, the
+/// variants round-robin, as the workloads `{name}.forward` and `{name}.train_step`.
+fn time_stacks(
+    device: &Device,
+    shape: StackShape,
+    name: &str,
+    variants: &[Variant],
+    runs: usize,
+    warmup: usize,
+    report: &mut Report,
+) {
+    let training = device.clone().autodiff();
+    for (mode, device) in [("forward", device), ("train_step", &training)] {
+        let started = std::time::Instant::now();
+        let models: Vec<Model> = variants
+            .iter()
+            .map(|&variant| Model::with_shape(variant, shape, device))
+            .collect();
+        let input = shape.input(device);
+        let works: Vec<Box<dyn Fn() -> Box<dyn std::any::Any>>> = models
+            .iter()
+            .map(|model| -> Box<dyn Fn() -> Box<dyn std::any::Any>> {
+                let input = input.clone();
+                if mode == "forward" {
+                    Box::new(move || Box::new(model.forward(input.clone())))
+                } else {
+                    Box::new(move || Box::new(model.train_step(input.clone())))
+                }
+            })
+            .collect();
+        let works: Vec<&dyn Fn() -> Box<dyn std::any::Any>> =
+            works.iter().map(|work| work.as_ref()).collect();
+        let timings = measure_interleaved(device, runs, warmup, &works);
+        for (variant, timing) in variants.iter().zip(timings) {
+            report.record(format!("{name}.{mode}"), variant.name(), timing);
+        }
+        eprintln!(
+            "{name}.{mode}: {:.1} s with warm-up",
+            started.elapsed().as_secs_f64()
+        );
+    }
 }
 
 /// The residual train step at depth 12 and each operation class of one block, timed

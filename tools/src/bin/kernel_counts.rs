@@ -1,5 +1,5 @@
-//! Counts the GPU kernels the connectivity adds to a forward pass on a CubeCL backend (wgpu by
-//! default; Mesa's lavapipe where there is no GPU).
+//! Counts the GPU kernels the connectivity adds to a forward pass and to a train step on a
+//! CubeCL backend (wgpu by default; Mesa's lavapipe where there is no GPU).
 //!
 //! ```text
 //! cargo run --release -p burn-connectivity-tools --features wgpu --bin kernel_counts [-- --device wgpu --depth 4]
@@ -8,9 +8,16 @@
 //! Every launch is counted through CubeCL's launch observer, after a warm-up pass (kernel
 //! compilation and autotune) and with the queued work flushed before and after, so a count is
 //! what one pass launches. It reports, for a stack of pre-LN MLP blocks on `[8, 128, 256]`:
-//! the kernels of the whole forward pass per variant and the difference to the plain residual
-//! loop per block, and the kernels of one connectivity step on its own, for the crate's
-//! formulation and for the alternatives it was compared with.
+//! the kernels of a forward pass (without and under autodiff) and of a train step (forward and
+//! backward of the mean output) per variant, with the difference to the plain residual loop per
+//! block and, for the train step, the crate's targets; then one JSON line per variant and pass,
+//!
+//! ```text
+//! {"variant": "mhc", "pass": "train_step", "depth": 4, "kernels": 131, "extra_per_block": 7.50, "device": "wgpu"}
+//! ```
+//!
+//! (`pass`: `forward`, `forward_autodiff` or `train_step`); and the kernels of one connectivity
+//! step on its own, for the crate's formulation and for the alternatives it was compared with.
 
 use burn_connectivity_tools as common;
 use burn_connectivity_tools::workloads;
@@ -74,6 +81,58 @@ fn count<T>(device: &Device, work: impl Fn() -> T) -> usize {
     counter.launches.load(Ordering::Relaxed)
 }
 
+/// The variants counted, the residual first (the baseline).
+const COUNTED: [Variant; 6] = [
+    Variant::Residual,
+    Variant::Hacn,
+    Variant::Ancre,
+    Variant::Hc,
+    Variant::Mhc,
+    Variant::Dwa,
+];
+
+/// The most extra kernels per block over the residual's that a train step may launch.
+fn target(variant: Variant) -> Option<f64> {
+    match variant {
+        Variant::Hacn => Some(2.0),
+        Variant::Ancre | Variant::Dwa => Some(3.0),
+        Variant::Hc | Variant::Mhc => Some(8.0),
+        _ => None,
+    }
+}
+
+/// What one count runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Pass {
+    /// A forward pass without autodiff.
+    Forward,
+    /// A forward pass on the autodiff device (what it records costs kernels too).
+    ForwardAutodiff,
+    /// Forward and backward of the mean output (the gradients of every parameter).
+    TrainStep,
+}
+
+impl Pass {
+    const ALL: [Pass; 3] = [Self::Forward, Self::ForwardAutodiff, Self::TrainStep];
+
+    /// As in the JSON lines.
+    fn name(self) -> &'static str {
+        match self {
+            Self::Forward => "forward",
+            Self::ForwardAutodiff => "forward_autodiff",
+            Self::TrainStep => "train_step",
+        }
+    }
+
+    fn title(self) -> &'static str {
+        match self {
+            Self::Forward => "forward pass (inference)",
+            Self::ForwardAutodiff => "forward pass under autodiff",
+            Self::TrainStep => "train step (forward and backward of the mean output)",
+        }
+    }
+}
+
 fn stream(device: &Device) -> Tensor<3> {
     Tensor::random([8, LENGTH, WIDTH], Distribution::Normal(0.0, 1.0), device)
 }
@@ -88,29 +147,52 @@ fn run(flags: Flags) -> Result<(), String> {
     let depth = flags.depth as usize;
     let tracked = device.clone().autodiff();
 
-    for (mode, device) in [("inference", &device), ("under autodiff", &tracked)] {
+    let input = stack_input(&device);
+    let tracked_input = stack_input(&tracked);
+    let mut rows = Vec::new();
+    for pass in Pass::ALL {
         println!(
-            "forward pass of {depth} pre-LN MLP blocks on [8, {LENGTH}, {WIDTH}] ({name}, {mode}):"
+            "{} of {depth} pre-LN MLP blocks on [8, {LENGTH}, {WIDTH}] ({name}):",
+            pass.title()
         );
-        let input = stack_input(device);
         let mut baseline = None;
-        for variant in [
-            Variant::Residual,
-            Variant::Hacn,
-            Variant::Ancre,
-            Variant::Hc,
-            Variant::Mhc,
-            Variant::Dwa,
-        ] {
-            let model = Model::new(variant, depth, device);
-            let kernels = count(device, || model.forward(input.clone()));
+        for variant in COUNTED {
+            let kernels = match pass {
+                Pass::Forward => {
+                    let model = Model::new(variant, depth, &device);
+                    count(&device, || model.forward(input.clone()))
+                }
+                Pass::ForwardAutodiff => {
+                    let model = Model::new(variant, depth, &tracked);
+                    count(&tracked, || model.forward(tracked_input.clone()))
+                }
+                Pass::TrainStep => {
+                    let model = Model::new(variant, depth, &tracked);
+                    count(&tracked, || model.train_step(tracked_input.clone()))
+                }
+            };
             let base = *baseline.get_or_insert(kernels);
+            let extra = (kernels as f64 - base as f64) / depth as f64;
+            let verdict = match (pass, target(variant)) {
+                (Pass::TrainStep, Some(limit)) if extra <= limit => {
+                    format!(" (target <= {limit}: met)")
+                }
+                (Pass::TrainStep, Some(limit)) => format!(" (target <= {limit}: NOT met)"),
+                _ => String::new(),
+            };
             println!(
-                "  {:>9}: {kernels:>4} kernels ({:+.2} per block vs residual)",
+                "  {:>9}: {kernels:>4} kernels ({extra:+.2} per block vs residual){verdict}",
                 variant.name(),
-                (kernels as f64 - base as f64) / depth as f64
             );
+            rows.push(format!(
+                r#"{{"variant": "{}", "pass": "{}", "depth": {depth}, "kernels": {kernels}, "extra_per_block": {extra:.2}, "device": "{name}"}}"#,
+                variant.name(),
+                pass.name(),
+            ));
         }
+    }
+    for row in &rows {
+        println!("{row}");
     }
 
     println!("one connectivity step on its own (block 2 of {depth}):");

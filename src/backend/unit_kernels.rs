@@ -1,0 +1,524 @@
+//! The unit ops of the multi-stream connectivities (hyper-connections, frac-connections, mHC) as
+//! CubeCL kernels with their own backward, for the GPU backends (wgpu, vulkan, metal, cuda).
+//!
+//! For rows `x_r` (`[R, w]`), a small weight matrix `W` (`[w, C]`) and a row scale
+//! `s(n) = a / max(n + b, f)` of the row norm `n_r = ‖x_r‖₂`, the normalised projection:
+//!
+//! ```text
+//! P_r  = s(n_r) · x_r W                                   one kernel, one cube per row
+//! ∂x_r = s(n_r) W ∂P_rᵀ + s'(n_r) / n_r · (x_r W · ∂P_r) x_r   one kernel, one cube per row
+//! ∂W   = xᵀ (s ⊙ ∂P)                                      one matrix product
+//! ```
+//!
+//! and per token `t`, with `R` output rows, `U` units of width `w` and `V` views of the branch,
+//! the mixing (the `β h` term optional; `W`, `β` with a leading axis of `T` or 1):
+//!
+//! ```text
+//! out[t, r] = Σ_u W[t, r, u] S[t, u] + β[t, r] h[t, r mod V]           one kernel, one thread per output
+//!
+//! ∂S[t, u]  = Σ_r W[t, r, u] ∂out[t, r]          ∂W[t, r, u] = ⟨∂out[t, r], S[t, u]⟩
+//! ∂h[t, f]  = Σ_{r mod V = f} β[t, r] ∂out[t, r]   ∂β[t, r] = ⟨∂out[t, r], h[t, r mod V]⟩
+//!                                                one kernel, one cube per token
+//! ```
+//!
+//! (plus a sum over tokens for a `W` or `β` shared by every token). Composed from tensor ops,
+//! the fusion engine merges the mixing's forward into one kernel but not its backward, whose
+//! `R · U` inner products and `U` accumulations are kernels of their own, nor the projection's
+//! norm, product and scale. A cube's units stride along `w` and sum their partial inner products
+//! in shared memory, so every row is read once, coalesced.
+//!
+//! Which units the kernels take is decided once per forward pass ([`supports`]): at most
+//! [`MAX_UNITS`] units per token, float tensors on a CubeCL device; other passes compose.
+//! Not differentiable twice.
+
+use burn::backend::autodiff::checkpoint::base::Checkpointer;
+use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
+use burn::backend::autodiff::grads::Gradients;
+use burn::backend::autodiff::ops::{Backward, Ops};
+use burn::backend::autodiff::{Autodiff, NodeId};
+use burn::backend::fusion::custom::TensorSpec;
+use burn::backend::tensor::FloatTensor;
+use burn::backend::{Backend, Dispatch, backend_extension};
+use burn::tensor::{Shape, Tensor};
+
+use super::RowScale;
+use super::autodiff::{constant, tracked_op};
+
+mod cube;
+
+/// The most units per token the kernels take (their per-unit sums live in registers).
+pub(crate) const MAX_UNITS: usize = 8;
+
+/// Whether the kernels take `units [tokens, U, w]`: a CubeCL device, a float type, `U` at most
+/// [`MAX_UNITS`].
+pub(crate) fn supports(units: &Tensor<3>) -> bool {
+    let [_, count, _] = units.dims();
+    super::is_cube(&units.device()) && units.dtype().is_float() && count <= MAX_UNITS
+}
+
+/// The unit kernels (see the [module docs](self)).
+#[backend_extension(
+    Cube: cfg(feature = "cube-kernels"),
+    Fusion: cfg(feature = "cube-kernels"),
+    Autodiff
+)]
+pub(crate) trait UnitKernelsBackend: Backend {
+    /// `P = s(‖x_r‖) x_r W` for `rows [R, w]`, `weights [w, C]`; `[R, C]`.
+    #[fusion(meta = |rows, weights, _, _, _| TensorSpec::new(
+        Shape::new([rows.shape[0], weights.shape[1]]),
+        rows.dtype,
+    ))]
+    fn unit_projection(
+        rows: FloatTensor<Self>,
+        weights: FloatTensor<Self>,
+        numerator: f64,
+        offset: f64,
+        floor: f64,
+    ) -> FloatTensor<Self>;
+
+    /// The gradients of `rows` and `weights`, given the output `projection` and its gradient.
+    #[fusion(meta = |rows, weights, _, _, _, _, _| (rows.clone(), weights.clone()))]
+    #[allow(clippy::too_many_arguments)]
+    fn unit_projection_backward(
+        rows: FloatTensor<Self>,
+        weights: FloatTensor<Self>,
+        projection: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        numerator: f64,
+        offset: f64,
+        floor: f64,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>);
+
+    /// `out = W S`: `weights [T | 1, R, U]`, `units [T, U, w]`; `[T, R, w]`.
+    #[fusion(meta = |weights, units| TensorSpec::new(
+        Shape::new([units.shape[0], weights.shape[1], units.shape[2]]),
+        units.dtype,
+    ))]
+    fn unit_mix(weights: FloatTensor<Self>, units: FloatTensor<Self>) -> FloatTensor<Self>;
+
+    /// `out = W S + β h`, with `beta [T | 1, R, 1]` and `branch [T, V, w]` (`V` divides `R`).
+    #[fusion(meta = |weights, units, _, _| TensorSpec::new(
+        Shape::new([units.shape[0], weights.shape[1], units.shape[2]]),
+        units.dtype,
+    ))]
+    fn unit_mix_add(
+        weights: FloatTensor<Self>,
+        units: FloatTensor<Self>,
+        beta: FloatTensor<Self>,
+        branch: FloatTensor<Self>,
+    ) -> FloatTensor<Self>;
+
+    /// The gradients of `weights` and `units` of [`unit_mix`](Self::unit_mix), given the
+    /// gradient of the output.
+    #[fusion(meta = |weights, units, _| (weights.clone(), units.clone()))]
+    fn unit_mix_backward(
+        weights: FloatTensor<Self>,
+        units: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>);
+
+    /// The gradients of `weights`, `units`, `beta` and `branch` of
+    /// [`unit_mix_add`](Self::unit_mix_add), each shaped like its input.
+    #[fusion(meta = |weights, units, beta, branch, _| (
+        weights.clone(),
+        units.clone(),
+        beta.clone(),
+        branch.clone(),
+    ))]
+    #[allow(clippy::type_complexity)]
+    fn unit_mix_add_backward(
+        weights: FloatTensor<Self>,
+        units: FloatTensor<Self>,
+        beta: FloatTensor<Self>,
+        branch: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+    ) -> (
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+    );
+}
+
+/// `P_r = s(‖x_r‖₂) · x_r W` through the kernels: `rows [R, w]`, `weights [w, C]`.
+pub(crate) fn projection(rows: Tensor<2>, weights: Tensor<2>, scale: RowScale) -> Tensor<2> {
+    Tensor::from_dispatch(<Dispatch as UnitKernelsBackend>::unit_projection(
+        rows.into_dispatch(),
+        weights.into_dispatch(),
+        scale.numerator,
+        scale.offset,
+        scale.floor,
+    ))
+}
+
+/// `Aᵀ S (+ β h)` through the kernels (shapes as in [`LayerOps::mix`](super::LayerOps::mix)).
+pub(crate) fn mix(
+    weights: Tensor<3>,
+    units: Tensor<3>,
+    addend: Option<(Tensor<3>, Tensor<3>)>,
+) -> Tensor<3> {
+    let output = match addend {
+        None => <Dispatch as UnitKernelsBackend>::unit_mix(
+            weights.into_dispatch(),
+            units.into_dispatch(),
+        ),
+        Some((beta, branch)) => <Dispatch as UnitKernelsBackend>::unit_mix_add(
+            weights.into_dispatch(),
+            units.into_dispatch(),
+            beta.into_dispatch(),
+            branch.into_dispatch(),
+        ),
+    };
+    Tensor::from_dispatch(output)
+}
+
+#[derive(Debug)]
+struct Projection;
+
+impl<B: UnitKernelsBackend> Backward<B, 2> for Projection {
+    type State = ([NodeId; 2], FloatTensor<B>, RowScale);
+
+    fn backward(
+        self,
+        ops: Ops<Self::State, 2>,
+        grads: &mut Gradients,
+        checkpointer: &mut Checkpointer,
+    ) {
+        let grad = grads.consume::<B>(&ops.node);
+        let (nodes, projection, scale) = ops.state;
+        let [rows, weights] = nodes.map(|id| checkpointer.retrieve_node_output(id));
+        let (grad_rows, grad_weights) = B::unit_projection_backward(
+            rows,
+            weights,
+            projection,
+            grad,
+            scale.numerator,
+            scale.offset,
+            scale.floor,
+        );
+        register_tracked!(grads, ops.parents, [grad_rows, grad_weights]);
+    }
+}
+
+#[derive(Debug)]
+struct Mix;
+
+impl<B: UnitKernelsBackend> Backward<B, 2> for Mix {
+    type State = [NodeId; 2];
+
+    fn backward(
+        self,
+        ops: Ops<Self::State, 2>,
+        grads: &mut Gradients,
+        checkpointer: &mut Checkpointer,
+    ) {
+        let grad = grads.consume::<B>(&ops.node);
+        let [weights, units] = ops.state.map(|id| checkpointer.retrieve_node_output(id));
+        let (grad_weights, grad_units) = B::unit_mix_backward(weights, units, grad);
+        register_tracked!(grads, ops.parents, [grad_weights, grad_units]);
+    }
+}
+
+#[derive(Debug)]
+struct MixAdd;
+
+impl<B: UnitKernelsBackend> Backward<B, 4> for MixAdd {
+    type State = [NodeId; 4];
+
+    fn backward(
+        self,
+        ops: Ops<Self::State, 4>,
+        grads: &mut Gradients,
+        checkpointer: &mut Checkpointer,
+    ) {
+        let grad = grads.consume::<B>(&ops.node);
+        let [weights, units, beta, branch] =
+            ops.state.map(|id| checkpointer.retrieve_node_output(id));
+        let (grad_weights, grad_units, grad_beta, grad_branch) =
+            B::unit_mix_add_backward(weights, units, beta, branch, grad);
+        register_tracked!(
+            grads,
+            ops.parents,
+            [grad_weights, grad_units, grad_beta, grad_branch]
+        );
+    }
+}
+
+impl<B: UnitKernelsBackend, C: CheckpointStrategy> UnitKernelsBackend for Autodiff<B, C> {
+    fn unit_projection(
+        rows: FloatTensor<Self>,
+        weights: FloatTensor<Self>,
+        numerator: f64,
+        offset: f64,
+        floor: f64,
+    ) -> FloatTensor<Self> {
+        let scale = RowScale {
+            numerator,
+            offset,
+            floor,
+        };
+        tracked_op::<B, C, _, _>(
+            Projection,
+            [rows, weights],
+            |[rows, weights]| B::unit_projection(rows, weights, numerator, offset, floor),
+            |nodes, output| (nodes, output.clone(), scale),
+        )
+    }
+
+    fn unit_projection_backward(
+        rows: FloatTensor<Self>,
+        weights: FloatTensor<Self>,
+        projection: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        numerator: f64,
+        offset: f64,
+        floor: f64,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        // First-order only: the gradients are constants to the graph.
+        let (grad_rows, grad_weights) = B::unit_projection_backward(
+            rows.into_primitive(),
+            weights.into_primitive(),
+            projection.into_primitive(),
+            grad.into_primitive(),
+            numerator,
+            offset,
+            floor,
+        );
+        (constant::<B, C>(grad_rows), constant::<B, C>(grad_weights))
+    }
+
+    fn unit_mix(weights: FloatTensor<Self>, units: FloatTensor<Self>) -> FloatTensor<Self> {
+        tracked_op::<B, C, _, _>(
+            Mix,
+            [weights, units],
+            |[weights, units]| B::unit_mix(weights, units),
+            |nodes, _| nodes,
+        )
+    }
+
+    fn unit_mix_add(
+        weights: FloatTensor<Self>,
+        units: FloatTensor<Self>,
+        beta: FloatTensor<Self>,
+        branch: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        tracked_op::<B, C, _, _>(
+            MixAdd,
+            [weights, units, beta, branch],
+            |[weights, units, beta, branch]| B::unit_mix_add(weights, units, beta, branch),
+            |nodes, _| nodes,
+        )
+    }
+
+    fn unit_mix_backward(
+        weights: FloatTensor<Self>,
+        units: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let (grad_weights, grad_units) = B::unit_mix_backward(
+            weights.into_primitive(),
+            units.into_primitive(),
+            grad.into_primitive(),
+        );
+        (constant::<B, C>(grad_weights), constant::<B, C>(grad_units))
+    }
+
+    fn unit_mix_add_backward(
+        weights: FloatTensor<Self>,
+        units: FloatTensor<Self>,
+        beta: FloatTensor<Self>,
+        branch: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+    ) -> (
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+    ) {
+        let (grad_weights, grad_units, grad_beta, grad_branch) = B::unit_mix_add_backward(
+            weights.into_primitive(),
+            units.into_primitive(),
+            beta.into_primitive(),
+            branch.into_primitive(),
+            grad.into_primitive(),
+        );
+        (
+            constant::<B, C>(grad_weights),
+            constant::<B, C>(grad_units),
+            constant::<B, C>(grad_beta),
+            constant::<B, C>(grad_branch),
+        )
+    }
+}
+
+#[cfg(all(test, feature = "wgpu"))]
+mod tests {
+    use burn::prelude::*;
+    use burn::tensor::{Distribution, Tolerance};
+
+    use super::{MAX_UNITS, mix, projection};
+    use crate::backend::units::{composed_mix, composed_normed_projection};
+    use crate::backend::{RowScale, UnitOps};
+    use crate::device::device;
+
+    fn wgpu() -> Device {
+        device("wgpu").expect("wgpu compiled in").autodiff()
+    }
+
+    fn random<const D: usize>(shape: [usize; D], device: &Device) -> Tensor<D> {
+        Tensor::random(shape, Distribution::Normal(0.0, 1.0), device)
+    }
+
+    /// Runs `op` on leaves made from `inputs` and returns its output and the gradients of every
+    /// input for the loss `Σ output ⊙ probe`.
+    fn values_and_gradients<const D: usize, const O: usize>(
+        inputs: &[Tensor<D>],
+        probe: &Tensor<O>,
+        op: impl Fn(Vec<Tensor<D>>) -> Tensor<O>,
+    ) -> Vec<TensorData> {
+        let leaves: Vec<_> = inputs.iter().map(|x| x.clone().require_grad()).collect();
+        let output = op(leaves.clone());
+        let grads = (output.clone() * probe.clone()).sum().backward();
+        std::iter::once(output.into_data())
+            .chain(leaves.iter().map(|x| x.grad(&grads).unwrap().into_data()))
+            .collect()
+    }
+
+    fn assert_all_close(kernel: &[TensorData], composed: &[TensorData], case: &str) {
+        let names = ["output", "∂1", "∂2", "∂3", "∂4"];
+        for ((kernel, composed), name) in kernel.iter().zip(composed).zip(names) {
+            assert_eq!(kernel.shape(), composed.shape(), "{name} of {case}");
+            kernel.assert_approx_eq::<f32>(composed, Tolerance::absolute(1e-4).set_relative(1e-3));
+        }
+    }
+
+    /// The projection kernels against the composed tensor ops on wgpu, forward and both
+    /// gradients: both row scales (HC's floor, mHC's offset), widths below and above the cube's
+    /// units, more columns than units, rows of norms from 1e-2 to 1e2, transposed rows, a zero
+    /// row.
+    #[test]
+    fn projection_kernels_match_the_composed_operations() {
+        let device = wgpu();
+        let hc = |width: usize| RowScale {
+            numerator: (width as f64).sqrt(),
+            offset: 0.0,
+            floor: 1e-12,
+        };
+        let mhc = |width: usize| RowScale {
+            numerator: (width as f64).sqrt(),
+            offset: 1e-6 * (width as f64).sqrt(),
+            floor: 0.0,
+        };
+        for (count, width, columns, transposed, scale) in [
+            (70, 24, 6, false, hc(24)),
+            (9, 300, 6, false, hc(300)),
+            (33, 1024, 24, false, mhc(1024)),
+            (5, 8, 1, true, hc(8)),
+            (40, 10, 80, true, mhc(10)),
+        ] {
+            let magnitudes: Vec<f32> = (0..count)
+                .map(|r| {
+                    if r == 3 {
+                        0.0
+                    } else {
+                        10f32.powi((r % 5) as i32 - 2)
+                    }
+                })
+                .collect();
+            let magnitudes = Tensor::<1>::from_data(TensorData::new(magnitudes, [count]), &device)
+                .reshape([count, 1]);
+            let rows = if transposed {
+                random([width, count], &device).transpose()
+            } else {
+                random([count, width], &device)
+            } * magnitudes;
+            let weights = random([width, columns], &device);
+            let probe = random([count, columns], &device);
+            let inputs = [rows, weights];
+            let kernel = values_and_gradients(&inputs, &probe, |x| {
+                projection(x[0].clone(), x[1].clone(), scale)
+            });
+            let composed = values_and_gradients(&inputs, &probe, |x| {
+                composed_normed_projection(x[0].clone(), x[1].clone(), scale)
+            });
+            assert_all_close(
+                &kernel,
+                &composed,
+                &format!("R={count} w={width} C={columns}"),
+            );
+        }
+    }
+
+    /// The mixing kernels against the composed tensor ops on wgpu, forward and every gradient:
+    /// with and without `β h`, connections per token and shared by every token (whose
+    /// gradients sum over the tokens), connections handed over as a transposed slice (as the
+    /// multi-stream connectivities do), several views (frac-connections), widths below and
+    /// above the cube's units.
+    #[test]
+    fn mix_kernels_match_the_composed_operations() {
+        let device = wgpu();
+        for (tokens, rows, count, width, views, per_token, with_addend) in [
+            (37, 4, 4, 100, 1, true, true),
+            (37, 1, 4, 100, 1, true, false),
+            (5, 4, 4, 3, 1, false, true),
+            (16, 8, 8, 70, 2, true, true),
+            (9, 2, 8, 33, 2, false, false),
+            (3, 4, 4, 256, 4, true, true),
+        ] {
+            let leading = if per_token { tokens } else { 1 };
+            // Stored as the connectivities store it: `[T | 1, U, V + R]`, viewed transposed
+            // and narrowed to the `R` rows mixed.
+            let stored = random([leading, count, rows + 1], &device);
+            let weights = stored.swap_dims(1, 2).narrow(1, 1, rows);
+            let units = random([tokens, count, width], &device);
+            let beta = random([leading, rows, 1], &device);
+            let branch = random([tokens, views, width], &device);
+            let probe = random([tokens, rows, width], &device);
+            let case =
+                format!("T={tokens} R={rows} U={count} w={width} V={views} β h: {with_addend}");
+            let run = |kernels: bool| {
+                let op = |x: Vec<Tensor<3>>| {
+                    let addend = with_addend.then(|| (x[2].clone(), x[3].clone()));
+                    if kernels {
+                        mix(x[0].clone(), x[1].clone(), addend)
+                    } else {
+                        composed_mix(x[0].clone(), x[1].clone(), addend)
+                    }
+                };
+                if with_addend {
+                    let inputs = [weights.clone(), units.clone(), beta.clone(), branch.clone()];
+                    values_and_gradients(&inputs, &probe, op)
+                } else {
+                    values_and_gradients(&[weights.clone(), units.clone()], &probe, op)
+                }
+            };
+            assert_all_close(&run(true), &run(false), &case);
+        }
+    }
+
+    /// A pass over more units than the kernels take is composed, chosen once for the pass; so is
+    /// a pass on a CPU backend.
+    #[test]
+    fn passes_the_kernels_cannot_take_are_composed() {
+        let device = wgpu();
+        let units = |count: usize, device: &Device| Tensor::<3>::zeros([2, count, 4], device);
+        assert_eq!(
+            UnitOps::for_units(&units(MAX_UNITS, &device)),
+            UnitOps::Kernels
+        );
+        assert_eq!(
+            UnitOps::for_units(&units(MAX_UNITS + 1, &device)),
+            UnitOps::Composed
+        );
+        #[cfg(feature = "ndarray")]
+        {
+            let ndarray = device_named("ndarray");
+            assert_eq!(UnitOps::for_units(&units(4, &ndarray)), UnitOps::Composed);
+        }
+    }
+
+    #[cfg(feature = "ndarray")]
+    fn device_named(name: &str) -> Device {
+        device(name).expect("compiled in")
+    }
+}

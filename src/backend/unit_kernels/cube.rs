@@ -1,0 +1,585 @@
+//! The unit kernels on the CubeCL backends (see the parent module for the math).
+
+use burn::backend::cubecl::dtype_to_storage_type;
+use burn::backend::ops::FloatTensorOps;
+use burn::backend::tensor::FloatTensor;
+use burn::tensor::Shape;
+use burn_cubecl::CubeBackend;
+use burn_cubecl::kernel::into_contiguous;
+use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
+use cubecl::{CubeCount, CubeDim, calculate_cube_count_elemwise};
+
+use super::UnitKernelsBackend;
+use kernels::{
+    mix_backward_kernel, mix_forward_kernel, projection_backward_kernel, projection_forward_kernel,
+};
+
+type Cube = CubeBackend;
+
+/// Bytes of shared memory a cube may use for its partial sums (half of the 32 kB that every
+/// backend offers, Metal included).
+const SHARED_BYTES: usize = 16 * 1024;
+
+/// Units per cube for per-row reductions of `slots` values each: a power of two up to 64 whose
+/// partial sums fit [`SHARED_BYTES`] and the device's cube size.
+fn threads_for(tensor: &FloatTensor<Cube>, slots: usize) -> usize {
+    let element = tensor.dtype.size().max(4);
+    let limit = (SHARED_BYTES / (slots.max(1) * element))
+        .min(64)
+        .min(tensor.client.properties().hardware.max_units_per_cube as usize)
+        .max(1);
+    1 << limit.ilog2()
+}
+
+/// A launch of one cube of `threads` units per item, for `items` items.
+fn per_item(tensor: &FloatTensor<Cube>, items: usize, threads: usize) -> (CubeCount, CubeDim) {
+    let dim = CubeDim::new_1d(threads as u32);
+    let count = calculate_cube_count_elemwise(&tensor.client, items * threads, dim);
+    (count, dim)
+}
+
+fn empty(like: &FloatTensor<Cube>, shape: Shape) -> FloatTensor<Cube> {
+    empty_device_contiguous_dtype(like.client.clone(), like.device.clone(), shape, like.dtype)
+}
+
+/// An `f64` setting as the bits of an `f32`: a compile-time constant of the kernel (one model
+/// has one or two of each).
+fn bits(value: f64) -> u32 {
+    (value as f32).to_bits()
+}
+
+fn mix(
+    weights: FloatTensor<Cube>,
+    units: FloatTensor<Cube>,
+    addend: Option<(FloatTensor<Cube>, FloatTensor<Cube>)>,
+) -> FloatTensor<Cube> {
+    let units = into_contiguous(units);
+    let [tokens, count, width] = units.meta.shape().dims::<3>();
+    let rows = weights.meta.shape()[1];
+    let output = empty(&units, Shape::new([tokens, rows, width]));
+    let with_addend = addend.is_some();
+    // Without an addend the kernel reads neither: `weights` and `units` stand in.
+    let (beta, branch) = match addend {
+        Some((beta, branch)) => (beta, into_contiguous(branch)),
+        None => (weights.clone(), units.clone()),
+    };
+    let views = if with_addend {
+        branch.meta.shape()[1]
+    } else {
+        1
+    };
+    let dim = CubeDim::new(&units.client, tokens * rows * width);
+    let count_cubes = calculate_cube_count_elemwise(&units.client, tokens * rows * width, dim);
+    mix_forward_kernel::launch(
+        &units.client,
+        count_cubes,
+        dim,
+        weights.into_tensor_arg(),
+        units.clone().into_tensor_arg(),
+        beta.into_tensor_arg(),
+        branch.into_tensor_arg(),
+        output.clone().into_tensor_arg(),
+        rows,
+        count,
+        views,
+        with_addend,
+        dtype_to_storage_type(units.dtype),
+    );
+    output
+}
+
+/// `(∂W, ∂S, ∂β, ∂h)`; the last two only with an addend.
+#[allow(clippy::type_complexity)]
+fn mix_backward(
+    weights: FloatTensor<Cube>,
+    units: FloatTensor<Cube>,
+    addend: Option<(FloatTensor<Cube>, FloatTensor<Cube>)>,
+    grad: FloatTensor<Cube>,
+) -> (
+    FloatTensor<Cube>,
+    FloatTensor<Cube>,
+    Option<(FloatTensor<Cube>, FloatTensor<Cube>)>,
+) {
+    let units = into_contiguous(units);
+    let grad = into_contiguous(grad);
+    let [tokens, count, width] = units.meta.shape().dims::<3>();
+    let rows = weights.meta.shape()[1];
+    let shared_weights = weights.meta.shape()[0] == 1;
+    let with_addend = addend.is_some();
+    let (beta, branch) = match &addend {
+        Some((beta, branch)) => (beta.clone(), into_contiguous(branch.clone())),
+        None => (weights.clone(), units.clone()),
+    };
+    let shared_beta = with_addend && beta.meta.shape()[0] == 1;
+    let views = if with_addend {
+        branch.meta.shape()[1]
+    } else {
+        1
+    };
+    let grad_units = empty(&units, Shape::new([tokens, count, width]));
+    let grad_weights = empty(&units, Shape::new([tokens, rows, count]));
+    let (grad_beta, grad_branch) = if with_addend {
+        (
+            empty(&units, Shape::new([tokens, rows, 1])),
+            empty(&units, Shape::new([tokens, views, width])),
+        )
+    } else {
+        (
+            empty(&units, Shape::new([1])),
+            empty(&units, Shape::new([1])),
+        )
+    };
+    let slots = rows * count + if with_addend { rows } else { 0 };
+    let threads = threads_for(&units, slots);
+    let (cubes, dim) = per_item(&units, tokens, threads);
+    mix_backward_kernel::launch(
+        &units.client,
+        cubes,
+        dim,
+        weights.into_tensor_arg(),
+        units.clone().into_tensor_arg(),
+        beta.into_tensor_arg(),
+        branch.into_tensor_arg(),
+        grad.into_tensor_arg(),
+        grad_weights.clone().into_tensor_arg(),
+        grad_units.clone().into_tensor_arg(),
+        grad_beta.clone().into_tensor_arg(),
+        grad_branch.clone().into_tensor_arg(),
+        rows,
+        count,
+        views,
+        with_addend,
+        threads,
+        dtype_to_storage_type(units.dtype),
+    );
+    // Connections shared by every token: their gradient is the sum over the tokens.
+    let grad_weights = if shared_weights {
+        Cube::float_sum_dim(grad_weights, 0)
+    } else {
+        grad_weights
+    };
+    let addend = with_addend.then(|| {
+        let grad_beta = if shared_beta {
+            Cube::float_sum_dim(grad_beta, 0)
+        } else {
+            grad_beta
+        };
+        (grad_beta, grad_branch)
+    });
+    (grad_weights, grad_units, addend)
+}
+
+impl UnitKernelsBackend for CubeBackend {
+    fn unit_projection(
+        rows: FloatTensor<Self>,
+        weights: FloatTensor<Self>,
+        numerator: f64,
+        offset: f64,
+        floor: f64,
+    ) -> FloatTensor<Self> {
+        let rows = into_contiguous(rows);
+        let weights = into_contiguous(weights);
+        let [count, _] = rows.meta.shape().dims::<2>();
+        let columns = weights.meta.shape()[1];
+        let output = empty(&rows, Shape::new([count, columns]));
+        let threads = threads_for(&rows, columns + 1);
+        let (cubes, dim) = per_item(&rows, count, threads);
+        projection_forward_kernel::launch(
+            &rows.client,
+            cubes,
+            dim,
+            rows.clone().into_tensor_arg(),
+            weights.into_tensor_arg(),
+            output.clone().into_tensor_arg(),
+            columns,
+            threads,
+            bits(numerator),
+            bits(offset),
+            bits(floor),
+            dtype_to_storage_type(rows.dtype),
+        );
+        output
+    }
+
+    fn unit_projection_backward(
+        rows: FloatTensor<Self>,
+        weights: FloatTensor<Self>,
+        projection: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        numerator: f64,
+        offset: f64,
+        floor: f64,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let rows = into_contiguous(rows);
+        let weights = into_contiguous(weights);
+        let projection = into_contiguous(projection);
+        let grad = into_contiguous(grad);
+        let [count, width] = rows.meta.shape().dims::<2>();
+        let columns = weights.meta.shape()[1];
+        let grad_rows = empty(&rows, Shape::new([count, width]));
+        let scaled_grad = empty(&rows, Shape::new([count, columns]));
+        let threads = threads_for(&rows, 1);
+        let (cubes, dim) = per_item(&rows, count, threads);
+        projection_backward_kernel::launch(
+            &rows.client,
+            cubes,
+            dim,
+            rows.clone().into_tensor_arg(),
+            weights.into_tensor_arg(),
+            projection.into_tensor_arg(),
+            grad.into_tensor_arg(),
+            grad_rows.clone().into_tensor_arg(),
+            scaled_grad.clone().into_tensor_arg(),
+            columns,
+            threads,
+            bits(numerator),
+            bits(offset),
+            bits(floor),
+            dtype_to_storage_type(rows.dtype),
+        );
+        // ∂W = xᵀ (s ⊙ ∂P): a skinny product, Burn's tuned matmul.
+        let grad_weights = Cube::float_matmul(Cube::float_swap_dims(rows, 0, 1), scaled_grad);
+        (grad_rows, grad_weights)
+    }
+
+    fn unit_mix(weights: FloatTensor<Self>, units: FloatTensor<Self>) -> FloatTensor<Self> {
+        mix(weights, units, None)
+    }
+
+    fn unit_mix_add(
+        weights: FloatTensor<Self>,
+        units: FloatTensor<Self>,
+        beta: FloatTensor<Self>,
+        branch: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        mix(weights, units, Some((beta, branch)))
+    }
+
+    fn unit_mix_backward(
+        weights: FloatTensor<Self>,
+        units: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let (grad_weights, grad_units, _) = mix_backward(weights, units, None, grad);
+        (grad_weights, grad_units)
+    }
+
+    fn unit_mix_add_backward(
+        weights: FloatTensor<Self>,
+        units: FloatTensor<Self>,
+        beta: FloatTensor<Self>,
+        branch: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+    ) -> (
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+    ) {
+        let (grad_weights, grad_units, addend) =
+            mix_backward(weights, units, Some((beta, branch)), grad);
+        let (grad_beta, grad_branch) = addend.expect("asked with an addend");
+        (grad_weights, grad_units, grad_beta, grad_branch)
+    }
+}
+
+mod kernels {
+    use cubecl::prelude::*;
+
+    /// Sums `slots` values per unit over the cube, in `shared` (`slots` per unit, unit-major);
+    /// the totals end in the first `slots` entries. The cube's size is a power of two.
+    #[cube]
+    fn sum_over_cube<E: Float>(shared: &mut Shared<[E]>, #[comptime] slots: usize) {
+        let unit = UNIT_POS as usize;
+        let mut stride = CUBE_DIM as usize / 2;
+        while stride > 0 {
+            if unit < stride {
+                for k in 0..slots {
+                    let value = shared[(unit + stride) * slots + k];
+                    shared[unit * slots + k] += value;
+                }
+            }
+            sync_cube();
+            stride /= 2;
+        }
+    }
+
+    /// `s(n) = a / max(n + b, f)`, with `f` as the bits of an `f32` (with `f = 0` the floor
+    /// is left out: `a / 0` would fold into an infinite constant that WGSL cannot write).
+    #[cube]
+    fn row_scale<E: Float>(norm: E, numerator: E, offset: E, #[comptime] floor_bits: u32) -> E {
+        let denominator = norm + offset;
+        let mut scale = numerator / denominator;
+        if comptime!(floor_bits != 0) {
+            let floor = E::new(comptime!(f32::from_bits(floor_bits)));
+            if denominator <= floor {
+                scale = numerator / floor;
+            }
+        }
+        scale
+    }
+
+    #[cube(launch)]
+    pub(super) fn projection_forward_kernel<E: Float>(
+        rows: &Tensor<E>,
+        weights: &Tensor<E>,
+        output: &mut Tensor<E>,
+        #[comptime] columns: usize,
+        #[comptime] threads: usize,
+        #[comptime] numerator_bits: u32,
+        #[comptime] offset_bits: u32,
+        #[comptime] floor_bits: u32,
+        #[define(E)] _dtype: ElemType,
+    ) {
+        let row = CUBE_POS;
+        if row >= rows.shape(0) {
+            terminate!();
+        }
+        let width = rows.shape(1);
+        let unit = UNIT_POS as usize;
+        let slots = comptime!(columns + 1);
+        // Per unit: x·W[:, c] over its part of the row, then the sum of squares.
+        let mut partial = Array::<E>::new(slots);
+        for c in 0..slots {
+            partial[c] = E::new(0.0);
+        }
+        let mut j = unit;
+        while j < width {
+            let x = rows[row * width + j];
+            for c in 0..columns {
+                partial[c] += x * weights[j * columns + c];
+            }
+            partial[columns] += x * x;
+            j += threads;
+        }
+        let mut shared = Shared::<[E]>::new_slice(comptime!(threads * slots));
+        for c in 0..slots {
+            shared[unit * slots + c] = partial[c];
+        }
+        sync_cube();
+        sum_over_cube::<E>(&mut shared, slots);
+        let scale = row_scale::<E>(
+            shared[columns].sqrt(),
+            E::new(comptime!(f32::from_bits(numerator_bits))),
+            E::new(comptime!(f32::from_bits(offset_bits))),
+            floor_bits,
+        );
+        let mut c = unit;
+        while c < columns {
+            output[row * columns + c] = shared[c] * scale;
+            c += threads;
+        }
+    }
+
+    #[cube(launch)]
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn projection_backward_kernel<E: Float>(
+        rows: &Tensor<E>,
+        weights: &Tensor<E>,
+        projection: &Tensor<E>,
+        grad: &Tensor<E>,
+        grad_rows: &mut Tensor<E>,
+        scaled_grad: &mut Tensor<E>,
+        #[comptime] columns: usize,
+        #[comptime] threads: usize,
+        #[comptime] numerator_bits: u32,
+        #[comptime] offset_bits: u32,
+        #[comptime] floor_bits: u32,
+        #[define(E)] _dtype: ElemType,
+    ) {
+        let row = CUBE_POS;
+        if row >= rows.shape(0) {
+            terminate!();
+        }
+        let width = rows.shape(1);
+        let unit = UNIT_POS as usize;
+        let mut squares = E::new(0.0);
+        let mut j = unit;
+        while j < width {
+            let x = rows[row * width + j];
+            squares += x * x;
+            j += threads;
+        }
+        let mut shared = Shared::<[E]>::new_slice(threads);
+        shared[unit] = squares;
+        sync_cube();
+        sum_over_cube::<E>(&mut shared, 1usize);
+        let norm = shared[0].sqrt();
+        let numerator = E::new(comptime!(f32::from_bits(numerator_bits)));
+        let offset = E::new(comptime!(f32::from_bits(offset_bits)));
+        let floor = E::new(comptime!(f32::from_bits(floor_bits)));
+        let scale = row_scale::<E>(norm, numerator, offset, floor_bits);
+        // s'(n) / n, 0 where s is flat and for a zero row (whose term vanishes).
+        let denominator = norm + offset;
+        let mut slope = E::new(0.0);
+        if denominator > floor && norm > E::new(0.0) {
+            slope = E::new(0.0) - scale / denominator / norm;
+        }
+        // (x W · ∂P) with x W = P / s.
+        let mut upstream = Array::<E>::new(columns);
+        let mut dot = E::new(0.0);
+        for c in 0..columns {
+            let g = grad[row * columns + c];
+            upstream[c] = g;
+            dot += projection[row * columns + c] * g;
+        }
+        let along = slope * dot / scale;
+        let mut j = unit;
+        while j < width {
+            let mut total = E::new(0.0);
+            for c in 0..columns {
+                total += weights[j * columns + c] * upstream[c];
+            }
+            grad_rows[row * width + j] = scale * total + along * rows[row * width + j];
+            j += threads;
+        }
+        let mut c = unit;
+        while c < columns {
+            scaled_grad[row * columns + c] = upstream[c] * scale;
+            c += threads;
+        }
+    }
+
+    /// The offset of `tensor[a, b, 0]`, the leading axis broadcast where it is 1.
+    #[cube]
+    fn leading_offset<E: Float>(tensor: &Tensor<E>, a: usize, b: usize) -> usize {
+        let mut offset = b * tensor.stride(1);
+        if tensor.shape(0) != 1 {
+            offset += a * tensor.stride(0);
+        }
+        offset
+    }
+
+    #[cube(launch)]
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn mix_forward_kernel<E: Float>(
+        weights: &Tensor<E>,
+        units: &Tensor<E>,
+        beta: &Tensor<E>,
+        branch: &Tensor<E>,
+        output: &mut Tensor<E>,
+        #[comptime] rows: usize,
+        #[comptime] count: usize,
+        #[comptime] views: usize,
+        #[comptime] with_addend: bool,
+        #[define(E)] _dtype: ElemType,
+    ) {
+        let position = ABSOLUTE_POS;
+        if position >= output.len() {
+            terminate!();
+        }
+        let width = units.shape(2);
+        let j = position % width;
+        let r = (position / width) % rows;
+        let t = position / (width * rows);
+        let base = leading_offset::<E>(weights, t, r);
+        let across = weights.stride(2);
+        let mut total = E::new(0.0);
+        for u in 0..count {
+            total += weights[base + u * across] * units[(t * count + u) * width + j];
+        }
+        if comptime!(with_addend) {
+            let gain = beta[leading_offset::<E>(beta, t, r)];
+            total += gain * branch[(t * views + r % views) * width + j];
+        }
+        output[position] = total;
+    }
+
+    #[cube(launch)]
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn mix_backward_kernel<E: Float>(
+        weights: &Tensor<E>,
+        units: &Tensor<E>,
+        beta: &Tensor<E>,
+        branch: &Tensor<E>,
+        grad: &Tensor<E>,
+        grad_weights: &mut Tensor<E>,
+        grad_units: &mut Tensor<E>,
+        grad_beta: &mut Tensor<E>,
+        grad_branch: &mut Tensor<E>,
+        #[comptime] rows: usize,
+        #[comptime] count: usize,
+        #[comptime] views: usize,
+        #[comptime] with_addend: bool,
+        #[comptime] threads: usize,
+        #[define(E)] _dtype: ElemType,
+    ) {
+        let t = CUBE_POS;
+        if t >= units.shape(0) {
+            terminate!();
+        }
+        let width = units.shape(2);
+        let unit = UNIT_POS as usize;
+        let mixed = comptime!(rows * count);
+        let slots = comptime!(if with_addend {
+            rows * count + rows
+        } else {
+            rows * count
+        });
+        // This token's connections, in registers.
+        let mut mixing = Array::<E>::new(mixed);
+        for r in 0..rows {
+            let base = leading_offset::<E>(weights, t, r);
+            for u in 0..count {
+                mixing[r * count + u] = weights[base + u * weights.stride(2)];
+            }
+        }
+        let mut gains = Array::<E>::new(rows);
+        if comptime!(with_addend) {
+            for r in 0..rows {
+                gains[r] = beta[leading_offset::<E>(beta, t, r)];
+            }
+        }
+        let mut partial = Array::<E>::new(slots);
+        for k in 0..slots {
+            partial[k] = E::new(0.0);
+        }
+        let mut upstream = Array::<E>::new(rows);
+        let mut j = unit;
+        while j < width {
+            for r in 0..rows {
+                upstream[r] = grad[(t * rows + r) * width + j];
+            }
+            for u in 0..count {
+                let at = (t * count + u) * width + j;
+                let value = units[at];
+                let mut total = E::new(0.0);
+                for r in 0..rows {
+                    total += mixing[r * count + u] * upstream[r];
+                    partial[r * count + u] += upstream[r] * value;
+                }
+                grad_units[at] = total;
+            }
+            if comptime!(with_addend) {
+                for f in 0..views {
+                    let at = (t * views + f) * width + j;
+                    let value = branch[at];
+                    let mut total = E::new(0.0);
+                    for r in 0..rows {
+                        if r % views == f {
+                            total += gains[r] * upstream[r];
+                            partial[mixed + r] += upstream[r] * value;
+                        }
+                    }
+                    grad_branch[at] = total;
+                }
+            }
+            j += threads;
+        }
+        let mut shared = Shared::<[E]>::new_slice(comptime!(threads * slots));
+        for k in 0..slots {
+            shared[unit * slots + k] = partial[k];
+        }
+        sync_cube();
+        sum_over_cube::<E>(&mut shared, slots);
+        let mut k = unit;
+        while k < slots {
+            if k < mixed {
+                grad_weights[t * mixed + k] = shared[k];
+            } else {
+                grad_beta[t * rows + k - mixed] = shared[k];
+            }
+            k += threads;
+        }
+    }
+}

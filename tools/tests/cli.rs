@@ -10,6 +10,7 @@ fn bad_flags_are_errors_naming_the_flag() {
     let reproduce = Path::new(env!("CARGO_BIN_EXE_reproduce"));
     assert_refused(reproduce, &["--seeds", "0"], "--seeds");
     assert_refused(reproduce, &["--only", "vision"], "--only");
+    assert_refused(reproduce, &["--quick", "--scale"], "--scale");
     let bench = Path::new(env!("CARGO_BIN_EXE_bench_connectivity"));
     assert_refused(bench, &["--runs", "0"], "--runs");
 }
@@ -25,6 +26,7 @@ fn help_lists_every_flag_with_its_default() {
     for expected in [
         "--seeds",
         "--quick",
+        "--scale",
         "--only",
         "--out",
         "--device",

@@ -6,6 +6,7 @@
 //! cargo run --release -p burn-connectivity-tools --bin reproduce -- --quick        # 2 seeds, short runs (~6 min on 2 cores)
 //! cargo run --release -p burn-connectivity-tools --bin reproduce                   # 5 seeds, full budget
 //! cargo run --release -p burn-connectivity-tools --bin reproduce -- --only lm --seeds 3
+//! cargo run --release -p burn-connectivity-tools --features cuda --bin reproduce -- --only lm --scale --device cuda   # 8 layers of width 256, 2000 steps, 3 seeds
 //! ```
 //!
 //! Claims, each run under the same weights, data and budget for every model it compares:
@@ -68,8 +69,13 @@ struct Flags {
     #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
     seeds: Option<u64>,
     /// Fewer seeds and shorter runs: 2 seeds, about 6 minutes on 2 cores.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "scale")]
     quick: bool,
+    /// The LM claims at a scale that can separate the methods, for a GPU: 8 layers of width
+    /// 256, 8 heads, context 128, batch 32, 2000 steps, 3 seeds unless --seeds (hours on a
+    /// CPU). Other groups keep their budget.
+    #[arg(long)]
+    scale: bool,
     /// Groups of claims to run, comma separated.
     #[arg(
         long,
@@ -86,8 +92,44 @@ struct Flags {
 /// How long each run trains.
 struct Budget {
     digits_epochs: usize,
-    lm_steps: usize,
+    lm: LmScale,
     terminator_epochs: usize,
+}
+
+/// The LM claims' model and run length.
+struct LmScale {
+    steps: usize,
+    layers: usize,
+    width: usize,
+    heads: usize,
+    context: usize,
+    batch: usize,
+}
+
+impl LmScale {
+    /// The CPU-sized model: 4 layers of width 64.
+    fn small(steps: usize) -> Self {
+        Self {
+            steps,
+            layers: 4,
+            width: 64,
+            heads: 4,
+            context: 64,
+            batch: 32,
+        }
+    }
+
+    /// `--scale`: 8 layers of width 256, 2000 steps.
+    fn separating() -> Self {
+        Self {
+            steps: 2000,
+            layers: 8,
+            width: 256,
+            heads: 8,
+            context: 128,
+            batch: 32,
+        }
+    }
 }
 
 /// Digits model: 16 pre-norm MLP blocks of width 32.
@@ -521,7 +563,9 @@ fn lm_claims(
     progress: &Progress,
 ) -> Result<Vec<Claim>, String> {
     let corpus = Corpus::new(TEXT);
-    let steps = budget.lm_steps;
+    let scale = &budget.lm;
+    let steps = scale.steps;
+    let layers = scale.layers;
     let optimizer = recipe(3e-3, 1e-2, 0.95, 1.0, steps / 10, steps)?;
     let runs: Vec<LmRun> = LmConnectivity::ALL
         .iter()
@@ -532,11 +576,11 @@ fn lm_claims(
     for &seed in seeds {
         let base = LmSettings {
             steps,
-            batch: 32,
-            context: 64,
-            layers: 4,
-            width: 64,
-            heads: 4,
+            batch: scale.batch,
+            context: scale.context,
+            layers,
+            width: scale.width,
+            heads: scale.heads,
             seed,
             granularity: Granularity::Block,
             depth_ln: None,
@@ -582,10 +626,13 @@ fn lm_claims(
                 .collect(),
         )
     };
-    let middle = 2;
+    let middle = layers / 2;
     let middle_loss = |run: LmRun| {
         Metric::new(
-            format!("{} valid loss after {middle} of 4 layers", run.name()),
+            format!(
+                "{} valid loss after {middle} of {layers} layers",
+                run.name()
+            ),
             losses[index(run)]
                 .iter()
                 .map(|curve| curve[middle])
@@ -596,10 +643,14 @@ fn lm_claims(
     let hacn = LmRun::Every(LmConnectivity::Hacn);
     let ancre = LmRun::Every(LmConnectivity::Ancre);
     let setup = format!(
-        "char-level decoder on the bundled Shakespeare: 4 pre-norm burn-nn encoder layers of width \
-         64, 4 heads, causal, context 64, batch 32, {steps} steps; AdamW 3e-3, β2 0.95, clip 1, \
-         warmup {} + cosine, connectivity lr 1e-2 without decay; ANCRe τ = 0.01; block level; same \
-         weights and data order for every connectivity of a seed",
+        "char-level decoder on the bundled Shakespeare: {layers} pre-norm burn-nn encoder layers \
+         of width {}, {} heads, causal, context {}, batch {}, {steps} steps; AdamW 3e-3, β2 0.95, \
+         clip 1, warmup {} + cosine, connectivity lr 1e-2 without decay; ANCRe τ = 0.01; block \
+         level; same weights and data order for every connectivity of a seed",
+        scale.width,
+        scale.heads,
+        scale.context,
+        scale.batch,
         steps / 10
     );
     let every: Vec<LmRun> = LmConnectivity::ALL
@@ -620,7 +671,7 @@ fn lm_claims(
         verdict: compare(&final_loss(ancre), &final_loss(residual), false),
         finding: format!("validation loss, best first: {}", order.join(", ")),
         metrics: every.iter().map(|&run| final_loss(run)).collect(),
-        curve_header: (0..=4).map(|k| format!("k={k}")).collect(),
+        curve_header: (0..=layers).map(|k| format!("k={k}")).collect(),
         curves: every
             .iter()
             .map(|&run| Curve::new(run.name(), &losses[index(run)]))
@@ -631,10 +682,12 @@ fn lm_claims(
         source: "H-ACN §3.4",
         paper: "In language models H-ACN's intermediate readouts are better than the residual \
                 model's (layer-wise loss lower at intermediate depth).",
-        setup: format!("{setup}; readout after 2 of 4 layers through the final norm and head"),
+        setup: format!(
+            "{setup}; readout after {middle} of {layers} layers through the final norm and head"
+        ),
         verdict: compare(&middle_loss(hacn), &middle_loss(residual), false),
         finding: format!(
-            "loss after 2 layers {} (H-ACN) vs {} (residual); after 4: {} vs {}",
+            "loss after {middle} layers {} (H-ACN) vs {} (residual); after {layers}: {} vs {}",
             middle_loss(hacn).display(3),
             middle_loss(residual).display(3),
             final_loss(hacn).display(3),
@@ -788,20 +841,28 @@ fn commit() -> String {
 
 fn run(flags: Flags) -> Result<(), String> {
     let device = flags.device.device()?;
-    let seed_count = flags.seeds.unwrap_or(if flags.quick { 2 } else { 5 });
+    let default_seeds = match (flags.quick, flags.scale) {
+        (true, _) => 2,
+        (false, true) => 3,
+        (false, false) => 5,
+    };
+    let seed_count = flags.seeds.unwrap_or(default_seeds);
     let seeds: Vec<u64> = (1..=seed_count).collect();
-    let budget = match flags.quick {
+    let mut budget = match flags.quick {
         true => Budget {
             digits_epochs: 12,
-            lm_steps: 100,
+            lm: LmScale::small(100),
             terminator_epochs: 8,
         },
         false => Budget {
             digits_epochs: 30,
-            lm_steps: 300,
+            lm: LmScale::small(300),
             terminator_epochs: 30,
         },
     };
+    if flags.scale {
+        budget.lm = LmScale::separating();
+    }
     let groups = |group| flags.only.contains(&group);
     let runs = seeds.len()
         * (usize::from(groups(Group::Digits)) * (DIGITS_NETS.len() + 3)
@@ -813,7 +874,11 @@ fn run(flags: Flags) -> Result<(), String> {
     println!(
         "reproduce: seeds {seeds:?}, {} run(s) in all{}, on {device:?}",
         runs,
-        if flags.quick { " (quick)" } else { "" }
+        match (flags.quick, flags.scale) {
+            (true, _) => " (quick)",
+            (false, true) => " (LM at scale)",
+            (false, false) => "",
+        }
     );
 
     let started = Instant::now();

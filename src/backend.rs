@@ -48,7 +48,7 @@ mod unit_kernels;
 #[cfg(feature = "flex")]
 pub(crate) use stream_mix::UnitsGradient;
 mod units;
-pub(crate) use units::{LayerOps, RowScale, UnitOps};
+pub(crate) use units::{LayerOps, MatrixRows, RowScale, UnitOps};
 
 /// Whether `device` (or the device under its autodiff layer) is a Flex device.
 pub(crate) fn is_flex(device: &Device) -> bool {

@@ -218,10 +218,7 @@ pub struct HcMixing<'a> {
 impl MixingLayer for HcMixing<'_> {
     fn mixing(&self, units: &Tensor<3>, ops: &LayerOps) -> Mixing {
         let (alpha, beta) = self.layer.connections(units, self.tanh, ops);
-        Mixing {
-            width: alpha.swap_dims(1, 2),
-            beta,
-        }
+        Mixing::stacked(alpha.swap_dims(1, 2), beta)
     }
 }
 

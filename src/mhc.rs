@@ -37,7 +37,7 @@ use burn::prelude::*;
 use burn::tensor::Distribution;
 use burn::tensor::activation::{sigmoid, softmax};
 
-use crate::backend::{LayerOps, RowScale};
+use crate::backend::{LayerOps, MatrixRows, RowScale};
 use crate::connectivity::ConnectivityConfig;
 use crate::error::{Error, Result, check_depth, check_non_negative, check_size};
 use crate::multi_stream::{
@@ -261,10 +261,11 @@ impl MhcLayer {
     }
 }
 
-/// `H_pre` as the view row above `H_resᵀ`, `H_post` as `β`.
+/// `H_pre` as the view row, `H_resᵀ` as the residual rows, `H_post` as `β`.
 fn mixing(pre: Tensor<2>, post: Tensor<2>, res: Tensor<3>, tokens: usize, n: usize) -> Mixing {
     Mixing {
-        width: Tensor::cat(vec![pre.reshape([tokens, 1, n]), res.swap_dims(1, 2)], 1),
+        input: MatrixRows::all(pre.reshape([tokens, 1, n])),
+        residual: MatrixRows::all(res.swap_dims(1, 2)),
         beta: post.reshape([tokens, n, 1]),
     }
 }

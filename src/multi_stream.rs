@@ -23,7 +23,7 @@
 use burn::module::ModuleDisplay;
 use burn::prelude::*;
 
-use crate::backend::{LayerOps, UnitOps};
+use crate::backend::{LayerOps, MatrixRows, UnitOps};
 use crate::connectivity::{Connectivity, StreamConnectivity};
 use crate::error::{Error, Result};
 use crate::matrix::ConnectivityMatrix;
@@ -40,11 +40,33 @@ pub enum StreamReduce {
 /// The width and depth connections of one layer, for every token (leading axis = tokens) or for
 /// all of them at once (leading axis 1).
 pub struct Mixing {
-    /// `Aᵀ = [A_in | A_res]ᵀ`, `[tokens | 1, V + U, U]`: its first `V` rows make the views, the
-    /// others the next units.
-    pub width: Tensor<3>,
+    /// `A_inᵀ`, `V` rows of `[tokens | 1, ·, U]` matrices: they make the views.
+    pub input: MatrixRows,
+    /// `A_resᵀ`, `U` rows of `[tokens | 1, ·, U]` matrices: they make the next units.
+    pub residual: MatrixRows,
     /// `β`, `[tokens | 1, U, 1]`.
     pub beta: Tensor<3>,
+}
+
+impl Mixing {
+    /// From `Aᵀ = [A_in | A_res]ᵀ` (`[tokens | 1, V + U, U]`), read in place.
+    pub fn stacked(width: Tensor<3>, beta: Tensor<3>) -> Self {
+        let [_, rows, units] = width.dims();
+        let views = rows - units;
+        Self {
+            input: MatrixRows {
+                matrices: width.clone(),
+                first: 0,
+                count: views,
+            },
+            residual: MatrixRows {
+                matrices: width,
+                first: views,
+                count: units,
+            },
+            beta,
+        }
+    }
 }
 
 /// A layer of a multi-stream connectivity: its mixing as a function of the units.
@@ -103,8 +125,8 @@ pub struct MultiStreamState<const D: usize> {
 #[derive(Debug, Clone)]
 struct Prepared<const D: usize> {
     input: Tensor<D>,
-    /// `A_resᵀ`, `[tokens | 1, U, U]`, applied when the block's output arrives.
-    residual: Tensor<3>,
+    /// `A_resᵀ` (`[tokens | 1, U, U]`), applied when the block's output arrives.
+    residual: MatrixRows,
     beta: Tensor<3>,
     /// The layer's ops (their gradient slot is shared by its projection and both mixes).
     ops: LayerOps,
@@ -164,14 +186,15 @@ fn prepare<const D: usize>(
     layer: &impl MixingLayer,
 ) -> Prepared<D> {
     let ops = ops.layer();
-    let Mixing { width, beta } = layer.mixing(units, &ops);
-    let [_, count, _] = units.dims();
-    let [_, rows, _] = width.dims();
-    let views = rows - count;
-    let input = ops.mix(width.clone().narrow(1, 0, views), units.clone(), None);
+    let Mixing {
+        input,
+        residual,
+        beta,
+    } = layer.mixing(units, &ops);
+    let input = ops.mix(input, units.clone(), None);
     Prepared {
         input: input.reshape(shape),
-        residual: width.narrow(1, views, count),
+        residual,
         beta,
         ops,
     }
@@ -256,22 +279,17 @@ pub(crate) struct StaticMixing {
 impl StaticMixing {
     /// From a [`Mixing`] with leading axis 1.
     pub fn from_mixing(mixing: Mixing) -> Self {
-        let [_, rows, units] = mixing.width.dims();
-        let views = rows - units;
-        let values: Vec<f64> = mixing.width.into_data().iter::<f64>().collect();
         // Stored transposed: entry [r][u] of Aᵀ is A[u][r].
-        let columns = |first: usize, count: usize| -> Vec<Vec<f64>> {
+        let columns = |rows: MatrixRows| -> Vec<Vec<f64>> {
+            let (count, units) = (rows.count, rows.matrices.dims()[2]);
+            let values: Vec<f64> = rows.taken().into_data().iter::<f64>().collect();
             (0..units)
-                .map(|u| {
-                    (first..first + count)
-                        .map(|r| values[r * units + u])
-                        .collect()
-                })
+                .map(|u| (0..count).map(|r| values[r * units + u]).collect())
                 .collect()
         };
         Self {
-            input: columns(0, views),
-            residual: columns(views, units),
+            input: columns(mixing.input),
+            residual: columns(mixing.residual),
             beta: mixing.beta.into_data().iter::<f64>().collect(),
         }
     }

@@ -78,6 +78,40 @@ fn new_units_gradient() -> Option<UnitsGradient> {
     None
 }
 
+/// Rows `first..first + count` of the per-token matrices `[tokens | 1, R, U]` a mixing reads
+/// (`Aᵀ`'s view rows or residual rows). The kernels read them in place; taken out as a slice
+/// they would be a copy on CubeCL (an unaligned offset), and the slice's gradient a zero fill
+/// and a slice-assign.
+#[derive(Debug, Clone)]
+pub struct MatrixRows {
+    /// The matrices, all their rows.
+    pub matrices: Tensor<3>,
+    /// The first row read.
+    pub first: usize,
+    /// How many rows are read.
+    pub count: usize,
+}
+
+impl MatrixRows {
+    /// Every row of `matrices`.
+    pub(crate) fn all(matrices: Tensor<3>) -> Self {
+        let count = matrices.dims()[1];
+        Self {
+            matrices,
+            first: 0,
+            count,
+        }
+    }
+
+    /// The rows read, as a tensor of their own `[tokens | 1, count, U]`.
+    pub(crate) fn taken(self) -> Tensor<3> {
+        if self.first == 0 && self.count == self.matrices.dims()[1] {
+            return self.matrices;
+        }
+        self.matrices.narrow(1, self.first, self.count)
+    }
+}
+
 /// The unit ops of one layer (see [`UnitOps::layer`]).
 #[derive(Debug, Clone)]
 #[cfg_attr(not(feature = "flex"), allow(dead_code))] // read by the fused ops only
@@ -125,19 +159,19 @@ impl LayerOps {
         composed_normed_projection(rows, weights, scale)
     }
 
-    /// `Aᵀ S (+ β h)` per token: `weights [tokens | 1, R, U]`, `units [tokens, U, w]`, and the
-    /// optional `β [tokens | 1, R, 1]`, `h [tokens, V, w]` (row `r` receives view `r mod V`);
-    /// `[tokens, R, w]`.
+    /// `Aᵀ S (+ β h)` per token: `weights` the `R` rows of `Aᵀ` (`[tokens | 1, R, U]`),
+    /// `units [tokens, U, w]`, and the optional `β [tokens | 1, R, 1]`, `h [tokens, V, w]` (row
+    /// `r` receives view `r mod V`); `[tokens, R, w]`.
     pub(crate) fn mix(
         &self,
-        weights: Tensor<3>,
+        weights: MatrixRows,
         units: Tensor<3>,
         addend: Option<(Tensor<3>, Tensor<3>)>,
     ) -> Tensor<3> {
         #[cfg(feature = "flex")]
         if let UnitOps::Fused { .. } = self.ops {
             return super::stream_mix::fused_stream_mix(
-                weights,
+                weights.taken(),
                 units,
                 addend,
                 self.gradient.as_ref(),
@@ -147,7 +181,7 @@ impl LayerOps {
         if let UnitOps::Kernels = self.ops {
             return super::unit_kernels::mix(weights, units, addend);
         }
-        composed_mix(weights, units, addend)
+        composed_mix(weights.taken(), units, addend)
     }
 }
 

@@ -48,14 +48,15 @@ fn bits(value: f64) -> u32 {
     (value as f32).to_bits()
 }
 
+/// `W S (+ β h)`, `W` the rows `first..first + rows` of `weights`.
 fn mix(
     weights: FloatTensor<Cube>,
     units: FloatTensor<Cube>,
     addend: Option<(FloatTensor<Cube>, FloatTensor<Cube>)>,
+    [first, rows]: [usize; 2],
 ) -> FloatTensor<Cube> {
     let units = into_contiguous(units);
     let [tokens, count, width] = units.meta.shape().dims::<3>();
-    let rows = weights.meta.shape()[1];
     let output = empty(&units, Shape::new([tokens, rows, width]));
     let with_addend = addend.is_some();
     // Without an addend the kernel reads neither: `weights` and `units` stand in.
@@ -79,6 +80,7 @@ fn mix(
         beta.into_tensor_arg(),
         branch.into_tensor_arg(),
         output.clone().into_tensor_arg(),
+        first,
         rows,
         count,
         views,
@@ -88,13 +90,15 @@ fn mix(
     output
 }
 
-/// `(∂W, ∂S, ∂β, ∂h)`; the last two only with an addend.
+/// `(∂W, ∂S, ∂β, ∂h)`; the last two only with an addend. `∂W` has every row of `weights`,
+/// zero outside `first..first + rows`.
 #[allow(clippy::type_complexity)]
 fn mix_backward(
     weights: FloatTensor<Cube>,
     units: FloatTensor<Cube>,
     addend: Option<(FloatTensor<Cube>, FloatTensor<Cube>)>,
     grad: FloatTensor<Cube>,
+    [first, rows]: [usize; 2],
 ) -> (
     FloatTensor<Cube>,
     FloatTensor<Cube>,
@@ -103,7 +107,7 @@ fn mix_backward(
     let units = into_contiguous(units);
     let grad = into_contiguous(grad);
     let [tokens, count, width] = units.meta.shape().dims::<3>();
-    let rows = weights.meta.shape()[1];
+    let all_rows = weights.meta.shape()[1];
     let shared_weights = weights.meta.shape()[0] == 1;
     let with_addend = addend.is_some();
     let (beta, branch) = match &addend {
@@ -117,7 +121,7 @@ fn mix_backward(
         1
     };
     let grad_units = empty(&units, Shape::new([tokens, count, width]));
-    let grad_weights = empty(&units, Shape::new([tokens, rows, count]));
+    let grad_weights = empty(&units, Shape::new([tokens, all_rows, count]));
     let (grad_beta, grad_branch) = if with_addend {
         (
             empty(&units, Shape::new([tokens, rows, 1])),
@@ -145,6 +149,7 @@ fn mix_backward(
         grad_units.clone().into_tensor_arg(),
         grad_beta.clone().into_tensor_arg(),
         grad_branch.clone().into_tensor_arg(),
+        first,
         rows,
         count,
         views,
@@ -242,8 +247,13 @@ impl UnitKernelsBackend for CubeBackend {
         (grad_rows, grad_weights)
     }
 
-    fn unit_mix(weights: FloatTensor<Self>, units: FloatTensor<Self>) -> FloatTensor<Self> {
-        mix(weights, units, None)
+    fn unit_mix(
+        weights: FloatTensor<Self>,
+        units: FloatTensor<Self>,
+        first: usize,
+        rows: usize,
+    ) -> FloatTensor<Self> {
+        mix(weights, units, None, [first, rows])
     }
 
     fn unit_mix_add(
@@ -251,16 +261,20 @@ impl UnitKernelsBackend for CubeBackend {
         units: FloatTensor<Self>,
         beta: FloatTensor<Self>,
         branch: FloatTensor<Self>,
+        first: usize,
+        rows: usize,
     ) -> FloatTensor<Self> {
-        mix(weights, units, Some((beta, branch)))
+        mix(weights, units, Some((beta, branch)), [first, rows])
     }
 
     fn unit_mix_backward(
         weights: FloatTensor<Self>,
         units: FloatTensor<Self>,
         grad: FloatTensor<Self>,
+        first: usize,
+        rows: usize,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-        let (grad_weights, grad_units, _) = mix_backward(weights, units, None, grad);
+        let (grad_weights, grad_units, _) = mix_backward(weights, units, None, grad, [first, rows]);
         (grad_weights, grad_units)
     }
 
@@ -270,6 +284,8 @@ impl UnitKernelsBackend for CubeBackend {
         beta: FloatTensor<Self>,
         branch: FloatTensor<Self>,
         grad: FloatTensor<Self>,
+        first: usize,
+        rows: usize,
     ) -> (
         FloatTensor<Self>,
         FloatTensor<Self>,
@@ -277,7 +293,7 @@ impl UnitKernelsBackend for CubeBackend {
         FloatTensor<Self>,
     ) {
         let (grad_weights, grad_units, addend) =
-            mix_backward(weights, units, Some((beta, branch)), grad);
+            mix_backward(weights, units, Some((beta, branch)), grad, [first, rows]);
         let (grad_beta, grad_branch) = addend.expect("asked with an addend");
         (grad_weights, grad_units, grad_beta, grad_branch)
     }
@@ -458,6 +474,7 @@ mod kernels {
         beta: &Tensor<E>,
         branch: &Tensor<E>,
         output: &mut Tensor<E>,
+        #[comptime] first: usize,
         #[comptime] rows: usize,
         #[comptime] count: usize,
         #[comptime] views: usize,
@@ -472,7 +489,7 @@ mod kernels {
         let j = position % width;
         let r = (position / width) % rows;
         let t = position / (width * rows);
-        let base = leading_offset::<E>(weights, t, r);
+        let base = leading_offset::<E>(weights, t, first + r);
         let across = weights.stride(2);
         let mut total = E::new(0.0);
         for u in 0..count {
@@ -497,6 +514,7 @@ mod kernels {
         grad_units: &mut Tensor<E>,
         grad_beta: &mut Tensor<E>,
         grad_branch: &mut Tensor<E>,
+        #[comptime] first: usize,
         #[comptime] rows: usize,
         #[comptime] count: usize,
         #[comptime] views: usize,
@@ -519,7 +537,7 @@ mod kernels {
         // This token's connections, in registers.
         let mut mixing = Array::<E>::new(mixed);
         for r in 0..rows {
-            let base = leading_offset::<E>(weights, t, r);
+            let base = leading_offset::<E>(weights, t, first + r);
             for u in 0..count {
                 mixing[r * count + u] = weights[base + u * weights.stride(2)];
             }
@@ -572,10 +590,22 @@ mod kernels {
         }
         sync_cube();
         sum_over_cube::<E>(&mut shared, slots);
+        // ∂W has every row of `weights`: this token's rows before and after those read are zero.
+        let all_rows = weights.shape(1);
+        let token_base = t * all_rows * count;
         let mut k = unit;
+        while k < (all_rows - rows) * count {
+            let mut row = k / count;
+            if row >= first {
+                row += rows;
+            }
+            grad_weights[token_base + row * count + k % count] = E::new(0.0);
+            k += threads;
+        }
+        k = unit;
         while k < slots {
             if k < mixed {
-                grad_weights[t * mixed + k] = shared[k];
+                grad_weights[token_base + first * count + k] = shared[k];
             } else {
                 grad_beta[t * rows + k - mixed] = shared[k];
             }

@@ -118,6 +118,33 @@ impl Variant {
     }
 }
 
+impl Variant {
+    /// The variants named in a comma-separated `--variants` list (all when empty), the
+    /// residual first and always: the baseline every ratio or count is taken against.
+    pub fn selected(list: &str) -> Result<Vec<Variant>, String> {
+        if list.is_empty() {
+            return Ok(Self::ALL.to_vec());
+        }
+        let mut chosen = vec![Self::Residual];
+        for name in list.split(',').map(str::trim) {
+            let variant = Self::ALL
+                .into_iter()
+                .find(|variant| variant.name() == name)
+                .ok_or_else(|| {
+                    let known: Vec<&str> = Self::ALL.iter().map(|v| v.name()).collect();
+                    format!(
+                        "--variants: unknown variant {name:?}, expected any of {}",
+                        known.join(",")
+                    )
+                })?;
+            if !chosen.contains(&variant) {
+                chosen.push(variant);
+            }
+        }
+        Ok(chosen)
+    }
+}
+
 impl std::fmt::Display for Variant {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(self.name())

@@ -13,6 +13,12 @@ fn bad_flags_are_errors_naming_the_flag() {
     assert_refused(reproduce, &["--quick", "--scale"], "--scale");
     let bench = Path::new(env!("CARGO_BIN_EXE_bench_connectivity"));
     assert_refused(bench, &["--runs", "0"], "--runs");
+    assert_refused(bench, &["--variants", "resnet"], "--variants");
+    #[cfg(feature = "wgpu")]
+    {
+        let counts = Path::new(env!("CARGO_BIN_EXE_kernel_counts"));
+        assert_refused(counts, &["--variants", "resnet"], "--variants");
+    }
 }
 
 #[test]

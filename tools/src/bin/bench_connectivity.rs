@@ -250,30 +250,6 @@ impl Report {
     }
 }
 
-/// The stack variants named in `--variants` (all when empty); the residual is always timed.
-fn selected_variants(list: &str) -> Result<Vec<Variant>, String> {
-    if list.is_empty() {
-        return Ok(Variant::ALL.to_vec());
-    }
-    let mut chosen = vec![Variant::Residual];
-    for name in list.split(',').map(str::trim) {
-        let variant = Variant::ALL
-            .into_iter()
-            .find(|variant| variant.name() == name)
-            .ok_or_else(|| {
-                let known: Vec<&str> = Variant::ALL.iter().map(|v| v.name()).collect();
-                format!(
-                    "--variants: unknown variant {name:?}, expected any of {}",
-                    known.join(",")
-                )
-            })?;
-        if !chosen.contains(&variant) {
-            chosen.push(variant);
-        }
-    }
-    Ok(chosen)
-}
-
 fn main() -> ExitCode {
     common::exit(run(Flags::parse()))
 }
@@ -283,7 +259,7 @@ fn run(flags: Flags) -> Result<(), String> {
     let runs = flags.runs as usize;
     let warmup = flags.warmup;
     let only = flags.only;
-    let variants = selected_variants(&flags.variants)?;
+    let variants = Variant::selected(&flags.variants)?;
     let mut report = Report {
         device: flags.device.device.clone(),
         results: Vec::new(),

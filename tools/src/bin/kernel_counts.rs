@@ -2,7 +2,7 @@
 //! CubeCL backend (wgpu by default; Mesa's lavapipe where there is no GPU).
 //!
 //! ```text
-//! cargo run --release -p burn-connectivity-tools --features wgpu --bin kernel_counts [-- --device wgpu --depth 4]
+//! cargo run --release -p burn-connectivity-tools --features wgpu --bin kernel_counts [-- --device wgpu --depth 4 --variants hc,mhc]
 //! ```
 //!
 //! Every launch is counted through CubeCL's launch observer, after a warm-up pass (kernel
@@ -45,6 +45,9 @@ struct Flags {
     /// Blocks in the stack.
     #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u64).range(1..))]
     depth: u64,
+    /// Variants, comma separated (default: all counted; the residual is always counted).
+    #[arg(long, default_value = "")]
+    variants: String,
 }
 
 #[derive(Default)]
@@ -142,6 +145,10 @@ fn main() -> ExitCode {
 }
 
 fn run(flags: Flags) -> Result<(), String> {
+    let counted: Vec<Variant> = Variant::selected(&flags.variants)?
+        .into_iter()
+        .filter(|variant| COUNTED.contains(variant))
+        .collect();
     let name = flags.device;
     let device = burn_connectivity::device::device(&name).map_err(|err| err.to_string())?;
     let depth = flags.depth as usize;
@@ -156,7 +163,7 @@ fn run(flags: Flags) -> Result<(), String> {
             pass.title()
         );
         let mut baseline = None;
-        for variant in COUNTED {
+        for &variant in &counted {
             let kernels = match pass {
                 Pass::Forward => {
                     let model = Model::new(variant, depth, &device);
@@ -193,6 +200,10 @@ fn run(flags: Flags) -> Result<(), String> {
     }
     for row in &rows {
         println!("{row}");
+    }
+    // A chosen few variants: their counts only, not the single steps below.
+    if !flags.variants.is_empty() {
+        return Ok(());
     }
 
     println!("one connectivity step on its own (block 2 of {depth}):");

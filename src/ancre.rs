@@ -20,8 +20,8 @@
 //! On Flex (f32, f64) each target's mixture is instead one fused op over the states so far, with
 //! its own backward (`src/backend/history_mix.rs`: one pass per target forward and backward).
 //! A step is one fused kernel on CubeCL backends: a forward pass fetches `p` once, as host
-//! scalars when no gradient flows to the logits (inference) and as aligned broadcast rows
-//! under a gradient (`BENCHMARKS.md`, "Kernels per block on CubeCL").
+//! scalars when no gradient flows to the logits (inference) and as scalar views of an aligned
+//! table under a gradient (`BENCHMARKS.md`, "Kernels per block on CubeCL").
 //!
 //! In branch outputs, `coef(s_j) = e_j + Σ_{i<j} p_ij coef(s_i)`, so `C[:, j] = coef(s_{j-1})`
 //! and `out = coef(s_K)`.
@@ -494,7 +494,6 @@ impl<const D: usize> StreamConnectivity<D> for Ancre {
             self.coefficients(),
             UsedEntries::AboveDiagonal,
             self.trained(),
-            input.dims()[D - 1],
         );
         let pending = (1..=self.num_blocks)
             .map(|target| {

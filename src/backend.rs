@@ -37,6 +37,8 @@ mod layer_norm;
 pub(crate) use history_mix::History;
 #[cfg(feature = "flex")]
 pub(crate) mod normed_projection;
+#[cfg(feature = "cube-kernels")]
+mod scale_entries;
 mod scales;
 pub(crate) use scales::{Scales, UsedEntries};
 #[cfg(any(feature = "cube-kernels", feature = "flex"))]

@@ -237,7 +237,7 @@ impl<const D: usize> StreamConnectivity<D> for DenseFormer {
         } else {
             Tensor::cat(self.alphas.iter().map(Param::val).collect(), 0).unsqueeze::<2>()
         };
-        let weights = Scales::new(weights, UsedEntries::All, tracked, input.dims()[D - 1]);
+        let weights = Scales::new(weights, UsedEntries::All, tracked);
         let kept = vec![self.needed_later(0, 0).then(|| input.clone())];
         DenseFormerState {
             stream: input,

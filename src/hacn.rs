@@ -15,8 +15,8 @@
 //! and `out[i] = 1`; the total connectivity strength is `Γ = ‖a‖₂ / √L`.
 //!
 //! A step is one fused kernel on CubeCL backends: a forward pass fetches the gates once, as
-//! host scalars when no gradient flows to them (inference, frozen gates) and as aligned
-//! broadcast rows under a gradient (`BENCHMARKS.md`, "Kernels per block on CubeCL").
+//! host scalars when no gradient flows to them (inference, frozen gates) and as scalar views
+//! of an aligned table under a gradient (`BENCHMARKS.md`, "Kernels per block on CubeCL").
 
 use burn::module::Param;
 use burn::prelude::*;
@@ -262,11 +262,10 @@ impl<const D: usize> StreamConnectivity<D> for Hacn {
     fn start(&self, input: Tensor<D>) -> HacnState<D> {
         let gates = self.gates.val();
         let tracked = gates.is_require_grad();
-        let width = input.dims()[D - 1];
         HacnState {
             stream: input.clone(),
             sum: input,
-            gates: Scales::new(gates.unsqueeze(), UsedEntries::All, tracked, width),
+            gates: Scales::new(gates.unsqueeze(), UsedEntries::All, tracked),
         }
     }
 

@@ -267,16 +267,14 @@ fn run(flags: Flags) -> Result<(), String> {
     let kernels = count(&device, || {
         sum.clone() + branch.clone() * weights.clone().select(0, position()).reshape([1, 1, 1])
     });
-    println!(
-        "  select (the crate's formulation under autodiff for other widths): {kernels} kernel(s)"
-    );
+    println!("  select (the crate's formulation under autodiff off CubeCL): {kernels} kernel(s)");
     let width = branch.dims()[2];
     let rows = (weights.clone().reshape([depth, 1]).expand([depth, width]) * 1.0).chunk(depth, 0);
     let kernels = count(&device, || {
         sum.clone() + branch.clone() * rows[1].clone().reshape([1, 1, width])
     });
     println!(
-        "  row of an aligned [{depth}, {width}] table, taken beforehand (the crate's formulation under autodiff when {width} floats span a multiple of 512 bytes): {kernels} kernel(s)"
+        "  row of an aligned [{depth}, {width}] table, taken beforehand (the crate's formulation under autodiff before its scalar views, which need no aligned width; the H-ACN and ANCRe steps above use them): {kernels} kernel(s)"
     );
     let gathered = |sum: Tensor<3>, branch: Tensor<3>, weights: Tensor<1>| {
         let position =

@@ -52,6 +52,14 @@ pub(crate) use stream_mix::UnitsGradient;
 mod units;
 pub(crate) use units::{LayerOps, MatrixRows, RowScale, UnitOps};
 
+/// An `f64` setting (ε, a scale) as the bits of an `f32`: how the crate's CubeCL kernels take
+/// it, as a compile-time constant (a kernel is compiled once per value; a model has one or two
+/// of each).
+#[cfg(feature = "cube-kernels")]
+pub(crate) fn kernel_constant(value: f64) -> u32 {
+    (value as f32).to_bits()
+}
+
 /// Whether `device` (or the device under its autodiff layer) is a Flex device.
 pub(crate) fn is_flex(device: &Device) -> bool {
     #[cfg(feature = "flex")]

@@ -9,6 +9,7 @@ use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use cubecl::{CubeCount, CubeDim, calculate_cube_count_elemwise};
 
 use super::SinkhornBackend;
+use crate::backend::kernel_constant;
 use kernels::{sinkhorn_backward_kernel, sinkhorn_forward_kernel};
 
 impl SinkhornBackend for CubeBackend {
@@ -27,7 +28,7 @@ impl SinkhornBackend for CubeBackend {
             launch.output.clone().into_tensor_arg(),
             n,
             iterations,
-            epsilon_bits(epsilon),
+            kernel_constant(epsilon),
             launch.dtype,
         );
         launch.output
@@ -50,17 +51,11 @@ impl SinkhornBackend for CubeBackend {
             launch.output.clone().into_tensor_arg(),
             n,
             iterations,
-            epsilon_bits(epsilon),
+            kernel_constant(epsilon),
             launch.dtype,
         );
         launch.output
     }
-}
-
-/// The caller's ε as the bits of an `f32`: a compile-time constant of the kernel (a kernel is
-/// compiled once per ε, and mHC has one).
-fn epsilon_bits(epsilon: f64) -> u32 {
-    (epsilon as f32).to_bits()
 }
 
 /// A launch with one thread per `n × n` matrix, and its contiguous output shaped like the input.

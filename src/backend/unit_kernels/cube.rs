@@ -10,6 +10,7 @@ use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use cubecl::{CubeCount, CubeDim, calculate_cube_count_elemwise};
 
 use super::UnitKernelsBackend;
+use crate::backend::kernel_constant;
 use kernels::{
     mix_backward_kernel, mix_forward_kernel, projection_backward_kernel, projection_forward_kernel,
 };
@@ -40,12 +41,6 @@ fn per_item(tensor: &FloatTensor<Cube>, items: usize, threads: usize) -> (CubeCo
 
 fn empty(like: &FloatTensor<Cube>, shape: Shape) -> FloatTensor<Cube> {
     empty_device_contiguous_dtype(like.client.clone(), like.device.clone(), shape, like.dtype)
-}
-
-/// An `f64` setting as the bits of an `f32`: a compile-time constant of the kernel (one model
-/// has one or two of each).
-fn bits(value: f64) -> u32 {
-    (value as f32).to_bits()
 }
 
 /// `W S (+ β h)`, `W` the rows `first..first + rows` of `weights`.
@@ -198,9 +193,9 @@ impl UnitKernelsBackend for CubeBackend {
             output.clone().into_tensor_arg(),
             columns,
             threads,
-            bits(numerator),
-            bits(offset),
-            bits(floor),
+            kernel_constant(numerator),
+            kernel_constant(offset),
+            kernel_constant(floor),
             dtype_to_storage_type(rows.dtype),
         );
         output
@@ -237,9 +232,9 @@ impl UnitKernelsBackend for CubeBackend {
             scaled_grad.clone().into_tensor_arg(),
             columns,
             threads,
-            bits(numerator),
-            bits(offset),
-            bits(floor),
+            kernel_constant(numerator),
+            kernel_constant(offset),
+            kernel_constant(floor),
             dtype_to_storage_type(rows.dtype),
         );
         // ∂W = xᵀ (s ⊙ ∂P): a skinny product, Burn's tuned matmul.

@@ -22,6 +22,7 @@ use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops};
 use burn::backend::autodiff::{Autodiff, NodeId};
 use burn::backend::fusion::custom::TensorSpec;
+use burn::backend::ops::FloatTensorOps;
 use burn::backend::tensor::FloatTensor;
 use burn::backend::{Backend, Dispatch, TensorMetadata, backend_extension};
 use burn::tensor::{DType, Shape, Tensor, TensorData};
@@ -93,8 +94,10 @@ impl ScaleEntryBackend for CubeBackend {
                 table.dtype,
             );
         }
-        // A runtime with a coarser alignment: a copy of the entry (one small kernel).
-        burn_cubecl::kernel::slice(table, &[index..index + 1, 0..1])
+        // A runtime with a coarser alignment: a copy of the entry (one small kernel), `[1]` as
+        // the op's metadata says.
+        let entry = burn_cubecl::kernel::slice(table, &[index..index + 1, 0..1]);
+        CubeBackend::float_reshape(entry, Shape::new([1]))
     }
 }
 

@@ -116,9 +116,7 @@ impl Variant {
             Self::Dwa => "dwa",
         }
     }
-}
 
-impl Variant {
     /// The variants named in a comma-separated `--variants` list (all when empty), the
     /// residual first and always: the baseline every ratio or count is taken against.
     pub fn selected(list: &str) -> Result<Vec<Variant>, String> {

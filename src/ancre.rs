@@ -45,10 +45,9 @@
 
 use burn::module::Param;
 use burn::prelude::*;
-use burn::tensor::activation::softmax;
 
 use crate::backend::{History, fused_history};
-use crate::backend::{Scales, UsedEntries};
+use crate::backend::{Scales, SoftmaxMask, UsedEntries, masked_softmax};
 use crate::connectivity::{Connectivity, ConnectivityConfig, StreamConnectivity, leading_part};
 use crate::error::{Error, Result, check_depth, check_finite, check_positive, check_size};
 use crate::matrix::ConnectivityMatrix;
@@ -291,8 +290,8 @@ enum Mixtures<const D: usize> {
     Fused {
         /// The states `s_0..s_j`, state `i` at index `i`.
         history: History,
-        /// The differentiable coefficients `p` (`[K+1, K+1]`) flattened row by row, computed
-        /// once per forward pass: `p_it` at `i (K+1) + t`.
+        /// The differentiable coefficients `p` over every row and column of the logits
+        /// (`[S, S]`) flattened row by row, computed once per forward pass: `p_it` at `i S + t`.
         coefficients: Tensor<1>,
     },
 }
@@ -301,43 +300,50 @@ impl Ancre {
     /// The coefficients `p` as a differentiable `[K+1, K+1]` tensor (row = source `i`,
     /// column = target `j`; zero where `i >= j`).
     pub fn coefficients(&self) -> Tensor<2> {
+        let kept = self.num_blocks + 1;
+        self.all_coefficients()
+            .narrow(0, 0, kept)
+            .narrow(1, 0, kept)
+    }
+
+    /// The coefficients over every row and column of the logits (`[S, S]`, `S >= K + 1` where
+    /// the connectivity was truncated): [`coefficients`](Self::coefficients) without the narrow,
+    /// whose copy and backward (a zero fill and a slice-assign per axis) the fused mixtures
+    /// have no use for.
+    fn all_coefficients(&self) -> Tensor<2> {
         let size = self.logits.dims()[0];
         let device = self.logits.device();
         let shortcut: Vec<bool> = (0..size * size)
             .map(|k| self.shortcut(k / size, k % size))
             .collect();
-        let no_shortcut =
-            Tensor::<2, Bool>::from_data(TensorData::new(shortcut, [size, size]), &device)
-                .bool_not();
-        let kept = self.num_blocks + 1;
         // Residual families' own shortcuts are 1 whatever the normalisation.
         let residual: Vec<bool> = (0..size * size)
             .map(|k| k / size + 1 == k % size && self.residual_target(k % size))
             .collect();
-        let residual =
-            Tensor::<2, Bool>::from_data(TensorData::new(residual, [size, size]), &device);
-        let keep = |p: Tensor<2>| {
-            p.mask_fill(residual, 1.0)
-                .narrow(0, 0, kept)
-                .narrow(1, 0, kept)
-        };
         if matches!(self.mixing, Mixing::Raw | Mixing::Cascade) {
-            return keep(self.logits.val().mask_fill(no_shortcut, 0.0));
+            let bools = |values: Vec<bool>| {
+                Tensor::<2, Bool>::from_data(TensorData::new(values, [size, size]), &device)
+            };
+            let no_shortcut = bools(shortcut.iter().map(|&kept| !kept).collect());
+            return (self.logits.val())
+                .mask_fill(no_shortcut, 0.0)
+                .mask_fill(bools(residual), 1.0);
         }
         let logits = match self.mixing {
             // Zero logits give 1/j; detached, so nothing trains them.
             Mixing::FixedUniform => self.logits.val().zeros_like().detach(),
             _ => self.logits.val(),
         };
-        // A large finite fill (not -inf) keeps the empty column 0 / row K free of NaN.
-        let scaled = logits
-            .div_scalar(self.temperature)
-            .mask_fill(no_shortcut.clone(), -1e30);
-        let dim = match self.normalization {
+        let axis = match self.normalization {
             Normalization::Ingoing => 0,
             Normalization::Outgoing => 1,
         };
-        keep(softmax(scaled, dim).mask_fill(no_shortcut, 0.0))
+        let mask = SoftmaxMask {
+            shape: [size, size],
+            kept: shortcut,
+            ones: residual,
+        };
+        masked_softmax(logits, &mask, axis, self.temperature)
     }
 
     /// Whether target `j` mixes source `i` (see the [module docs](self)): `i < j`, same family,
@@ -478,8 +484,10 @@ impl<const D: usize> StreamConnectivity<D> for Ancre {
     type State = AncreState<D>;
 
     fn start(&self, input: Tensor<D>) -> AncreState<D> {
-        if let Some(history) = fused_history(&input) {
-            let coefficients = self.coefficients();
+        // One mix per target.
+        let size = self.logits.dims()[0];
+        if let Some(history) = fused_history(&input, self.num_blocks, &[size * size]) {
+            let coefficients = self.all_coefficients();
             let count = coefficients.shape().num_elements();
             let mixtures = Mixtures::Fused {
                 history,
@@ -529,13 +537,13 @@ impl<const D: usize> StreamConnectivity<D> for Ancre {
                 coefficients,
             } => {
                 // The newest state, s_{target-1}, is a source of every target.
-                let size = self.num_blocks + 1;
+                let size = self.logits.dims()[0];
                 let terms = (0..target - 1)
                     .filter(|&source| self.shortcut(source, target))
                     .map(|source| (source, source * size + target))
                     .collect();
                 let newest = (target - 1) * size + target;
-                let mixture = history.mix(terms, newest, coefficients.clone(), stream);
+                let mixture = history.mix(terms, newest, 0, coefficients.clone(), stream);
                 for source in 0..target {
                     let last_target =
                         (target + 1..=self.num_blocks).all(|later| !self.shortcut(source, later));

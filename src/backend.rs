@@ -23,18 +23,22 @@ macro_rules! register_tracked {
 
 #[cfg(any(feature = "flex", feature = "tch", feature = "cube-kernels"))]
 mod autodiff;
+#[cfg(feature = "cube-kernels")]
+mod cube_launch;
 #[cfg(feature = "flex")]
 pub(crate) mod fft_conv;
 #[cfg(feature = "flex")]
 mod flex_kernels;
 #[cfg(feature = "flex")]
 pub(crate) mod gelu;
-#[cfg(feature = "flex")]
+#[cfg(any(feature = "flex", feature = "cube-kernels"))]
 mod history_mix;
 #[cfg(any(feature = "flex", feature = "tch"))]
 mod layer_norm;
-#[cfg(feature = "flex")]
+mod masked_softmax;
+#[cfg(any(feature = "flex", feature = "cube-kernels"))]
 pub(crate) use history_mix::History;
+pub(crate) use masked_softmax::{SoftmaxMask, masked_softmax};
 #[cfg(feature = "flex")]
 pub(crate) mod normed_projection;
 #[cfg(feature = "cube-kernels")]
@@ -121,18 +125,13 @@ pub(crate) fn has_fused_flex_ops<const D: usize>(tensor: &Tensor<D>) -> bool {
         )
 }
 
-/// Without Flex there is no fused history mix: no value of this type exists.
-#[cfg(not(feature = "flex"))]
+/// Without Flex or CubeCL there is no fused history mix: no value of this type exists.
+#[cfg(not(any(feature = "flex", feature = "cube-kernels")))]
 #[derive(Clone, Debug)]
 pub(crate) enum History {}
 
-#[cfg(not(feature = "flex"))]
+#[cfg(not(any(feature = "flex", feature = "cube-kernels")))]
 impl History {
-    #[cfg(test)]
-    pub(crate) fn kept_states(&self) -> Vec<usize> {
-        match *self {}
-    }
-
     pub(crate) fn forget(&self, _index: usize) {
         match *self {}
     }
@@ -141,6 +140,7 @@ impl History {
         &self,
         _terms: Vec<(usize, usize)>,
         _newest_weight: usize,
+        _segment: usize,
         _weights: Tensor<1>,
         _newest: Tensor<D>,
     ) -> Tensor<D> {
@@ -153,16 +153,24 @@ impl History {
 #[derive(Clone, Debug)]
 pub(crate) enum UnitsGradient {}
 
-/// A history for the fused weighted sums of ANCRe and DenseFormer over states like `first`
-/// (`src/backend/history_mix.rs`), where the device has them: Flex, f32 or f64.
-pub(crate) fn fused_history<const D: usize>(first: &Tensor<D>) -> Option<History> {
-    #[cfg(feature = "flex")]
+/// A history of at most `capacity` mixes for the fused weighted sums of ANCRe and DenseFormer
+/// over states like `first`, their weights taken from vectors of the lengths `segments`
+/// (`src/backend/history_mix.rs`), where the device has them: Flex in f32 or f64, a CubeCL
+/// device in any float type.
+pub(crate) fn fused_history<const D: usize>(
+    first: &Tensor<D>,
+    capacity: usize,
+    segments: &[usize],
+) -> Option<History> {
+    #[cfg(any(feature = "flex", feature = "cube-kernels"))]
     {
-        has_fused_flex_ops(first).then(|| History::new(first.device().is_autodiff()))
+        let on_cube = is_cube(&first.device()) && first.dtype().is_float();
+        (has_fused_flex_ops(first) || on_cube)
+            .then(|| History::new(first.device().is_autodiff(), capacity, segments))
     }
-    #[cfg(not(feature = "flex"))]
+    #[cfg(not(any(feature = "flex", feature = "cube-kernels")))]
     {
-        let _ = first;
+        let _ = (first, capacity, segments);
         None
     }
 }

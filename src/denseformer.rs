@@ -107,8 +107,9 @@ enum Averages<const D: usize> {
     /// average after every block: `src/backend/history_mix.rs`).
     Fused {
         history: History,
-        /// `[1, α_1, α_2, …]` side by side, fetched once per pass (the 1 for `Y_0 = X_0`).
-        weights: Tensor<1>,
+        /// `α_1, α_2, …`, fetched once per pass: average `i`'s weights are segment `i` of the
+        /// history (segment 0 is the 1 of `Y_0 = X_0`).
+        alphas: Vec<Tensor<1>>,
     },
 }
 
@@ -208,24 +209,26 @@ impl<const D: usize> StreamConnectivity<D> for DenseFormer {
     fn start(&self, input: Tensor<D>) -> DenseFormerState<D> {
         // The fused op pushes each state as the newest of the first average over it: every
         // block's own average does so for its `X_i`; `X_0` gets an average of its own, `Y_0 = X_0`.
+        let segments: Vec<usize> = [1]
+            .into_iter()
+            .chain(self.alphas.iter().map(|alpha| alpha.dims()[0]))
+            .collect();
         if self.period == 1
-            && let Some(history) = fused_history(&input)
+            && let Some(history) = fused_history(&input, self.num_blocks + 1, &segments)
         {
-            let one = Tensor::ones([1], &input.device());
-            let weights = Tensor::cat(
-                [one]
-                    .into_iter()
-                    .chain(self.alphas.iter().map(Param::val))
-                    .collect(),
-                0,
-            );
-            let stream = history.mix(Vec::new(), 0, weights.clone(), input);
+            // `Y_0 = 1 · X_0`, the 1 a constant: where `X_0` needs no gradient, neither does
+            // `Y_0` (block 1 does not differentiate its input), and the later averages'
+            // backward covers `X_0`.
+            let one = TensorData::new(vec![1.0f32], [1]).convert_dtype(input.dtype());
+            let one = Tensor::<1>::from_data(one, &input.device());
+            let stream = history.mix(Vec::new(), 0, 0, one, input);
             if !self.needed_later(0, 0) {
                 history.forget(0);
             }
+            let alphas = self.alphas.iter().map(Param::val).collect();
             return DenseFormerState {
                 stream,
-                averages: Averages::Fused { history, weights },
+                averages: Averages::Fused { history, alphas },
             };
         }
         let tracked = self
@@ -260,19 +263,18 @@ impl<const D: usize> StreamConnectivity<D> for DenseFormer {
         let latest = tail(state.stream + branch);
         let first = i % self.dilation;
         let (stream, averages) = match state.averages {
-            Averages::Fused { history, weights } => {
-                // α_i[t] (of X_{first + tδ}) at 1 + offset + t, after the leading 1.
-                let at = 1 + self.offset(i);
+            Averages::Fused { history, alphas } => {
+                // α_i[t] weighs X_{first + tδ}.
                 let earlier = (first..i).step_by(self.dilation).enumerate();
-                let terms = earlier.map(|(t, k)| (k, at + t)).collect();
-                let newest = at + i / self.dilation;
-                let stream = history.mix(terms, newest, weights.clone(), latest);
+                let terms = earlier.map(|(t, k)| (k, t)).collect();
+                let newest = i / self.dilation;
+                let stream = history.mix(terms, newest, i, alphas[i - 1].clone(), latest);
                 for k in (first..=i).step_by(self.dilation) {
                     if !self.needed_later(k, i) {
                         history.forget(k);
                     }
                 }
-                (stream, Averages::Fused { history, weights })
+                (stream, Averages::Fused { history, alphas })
             }
             Averages::Kept { mut kept, weights } => {
                 let stream = if self.averages_after(i) {
@@ -364,6 +366,55 @@ mod tests {
             };
         }
         stream
+    }
+
+    /// The fused averages on wgpu (one kernel per average forward and backward, each `α_i` a
+    /// weight segment of its own) against Flex's, with an input that needs no gradient, so that
+    /// `Y_0 = X_0` has no backward and the later averages' backward covers `X_0`: the output,
+    /// every `α_i`'s gradient and every block's.
+    #[cfg(feature = "wgpu")]
+    #[test]
+    fn kernels_match_flex_for_an_input_without_gradient() {
+        use burn::module::Module;
+
+        use crate::test_util::{OnDevice, gradient};
+
+        let wgpu = crate::device::device("wgpu")
+            .expect("wgpu compiled in")
+            .autodiff();
+        let flex = Device::flex().autodiff();
+        for dilation in [1, 2] {
+            let reference = stack(dilation, 1, &Device::flex());
+            let x = input(&Device::flex());
+            let run = |device: &Device| {
+                let stack = reference.clone().map(&mut OnDevice(device.clone()));
+                let x = Tensor::<3>::from_data(x.to_data(), device);
+                let out = stack.forward(x);
+                let grads = (out.clone() * out.clone()).sum().backward();
+                let mut values = vec![out.into_data().iter().collect::<Vec<f64>>()];
+                values.extend(
+                    stack
+                        .connectivity
+                        .alphas
+                        .iter()
+                        .map(|a| gradient(a, &grads)),
+                );
+                values.extend(
+                    stack
+                        .blocks
+                        .iter()
+                        .map(|b| gradient(&b.linear.weight, &grads)),
+                );
+                values
+            };
+            let (kernels, reference) = (run(&wgpu), run(&flex));
+            assert_eq!(kernels.len(), reference.len());
+            for (a, b) in kernels.iter().zip(&reference) {
+                for (a, b) in a.iter().zip(b) {
+                    assert!((a - b).abs() <= 1e-4 * (1.0 + b.abs()), "{a} vs {b}");
+                }
+            }
+        }
     }
 
     #[test]

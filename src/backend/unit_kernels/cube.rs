@@ -6,42 +6,17 @@ use burn::backend::tensor::FloatTensor;
 use burn::tensor::Shape;
 use burn_cubecl::CubeBackend;
 use burn_cubecl::kernel::into_contiguous;
-use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
-use cubecl::{CubeCount, CubeDim, calculate_cube_count_elemwise};
+use cubecl::{CubeDim, calculate_cube_count_elemwise};
 
 use super::UnitKernelsBackend;
+use crate::backend::cube_launch::{Cube, empty, per_item, threads_for};
 use crate::backend::kernel_constant;
 use kernels::{
     mix_backward_kernel, mix_forward_kernel, projection_backward_kernel, projection_forward_kernel,
 };
 
-type Cube = CubeBackend;
-
-/// Bytes of shared memory a cube may use for its partial sums (half of the 32 kB that every
-/// backend offers, Metal included).
-const SHARED_BYTES: usize = 16 * 1024;
-
-/// Units per cube for per-row reductions of `slots` values each: a power of two up to 64 whose
-/// partial sums fit [`SHARED_BYTES`] and the device's cube size.
-fn threads_for(tensor: &FloatTensor<Cube>, slots: usize) -> usize {
-    let element = tensor.dtype.size().max(4);
-    let limit = (SHARED_BYTES / (slots.max(1) * element))
-        .min(64)
-        .min(tensor.client.properties().hardware.max_units_per_cube as usize)
-        .max(1);
-    1 << limit.ilog2()
-}
-
-/// A launch of one cube of `threads` units per item, for `items` items.
-fn per_item(tensor: &FloatTensor<Cube>, items: usize, threads: usize) -> (CubeCount, CubeDim) {
-    let dim = CubeDim::new_1d(threads as u32);
-    let count = calculate_cube_count_elemwise(&tensor.client, items * threads, dim);
-    (count, dim)
-}
-
-fn empty(like: &FloatTensor<Cube>, shape: Shape) -> FloatTensor<Cube> {
-    empty_device_contiguous_dtype(like.client.clone(), like.device.clone(), shape, like.dtype)
-}
+/// Units per cube of the per-row kernels (at most).
+const MOST_THREADS: usize = 64;
 
 /// `W S (+ β h)`, `W` the rows `first..first + rows` of `weights`.
 fn mix(
@@ -129,7 +104,7 @@ fn mix_backward(
         )
     };
     let slots = rows * count + if with_addend { rows } else { 0 };
-    let threads = threads_for(&units, slots);
+    let threads = threads_for(&units, slots, MOST_THREADS);
     let (cubes, dim) = per_item(&units, tokens, threads);
     mix_backward_kernel::launch(
         &units.client,
@@ -182,7 +157,7 @@ impl UnitKernelsBackend for CubeBackend {
         let [count, _] = rows.meta.shape().dims::<2>();
         let columns = weights.meta.shape()[1];
         let output = empty(&rows, Shape::new([count, columns]));
-        let threads = threads_for(&rows, columns + 1);
+        let threads = threads_for(&rows, columns + 1, MOST_THREADS);
         let (cubes, dim) = per_item(&rows, count, threads);
         projection_forward_kernel::launch(
             &rows.client,
@@ -218,7 +193,7 @@ impl UnitKernelsBackend for CubeBackend {
         let columns = weights.meta.shape()[1];
         let grad_rows = empty(&rows, Shape::new([count, width]));
         let scaled_grad = empty(&rows, Shape::new([count, columns]));
-        let threads = threads_for(&rows, 1);
+        let threads = threads_for(&rows, 1, MOST_THREADS);
         let (cubes, dim) = per_item(&rows, count, threads);
         projection_backward_kernel::launch(
             &rows.client,
@@ -297,23 +272,7 @@ impl UnitKernelsBackend for CubeBackend {
 mod kernels {
     use cubecl::prelude::*;
 
-    /// Sums `slots` values per unit over the cube, in `shared` (`slots` per unit, unit-major);
-    /// the totals end in the first `slots` entries. The cube's size is a power of two.
-    #[cube]
-    fn sum_over_cube<E: Float>(shared: &mut Shared<[E]>, #[comptime] slots: usize) {
-        let unit = UNIT_POS as usize;
-        let mut stride = CUBE_DIM as usize / 2;
-        while stride > 0 {
-            if unit < stride {
-                for k in 0..slots {
-                    let value = shared[(unit + stride) * slots + k];
-                    shared[unit * slots + k] += value;
-                }
-            }
-            sync_cube();
-            stride /= 2;
-        }
-    }
+    use crate::backend::cube_launch::kernels::sum_over_cube;
 
     /// `s(n) = a / max(n + b, f)`, with `f` as the bits of an `f32` (with `f = 0` the floor
     /// is left out: `a / 0` would fold into an infinite constant that WGSL cannot write).

@@ -1,0 +1,413 @@
+//! The history mix on the CubeCL backends: one kernel per mix forward and one backward, whatever
+//! the number of states, because every state lives in one buffer (see the parent module).
+
+use burn::backend::cubecl::dtype_to_storage_type;
+use burn::backend::ops::FloatTensorOps;
+use burn::tensor::{DType, Shape};
+use burn_cubecl::kernel::into_contiguous;
+use burn_cubecl::tensor::CubeTensor;
+use cubecl::{CubeCount, CubeDim, calculate_cube_count_elemwise};
+
+use super::{History, HistoryMixBackend, Records, Wanted};
+use crate::backend::cube_launch::{Cube, empty, threads_for};
+use kernels::{backward_kernel, forward_kernel, sum_rows_kernel};
+
+/// The most cubes of the backward's grid-stride loop: each writes one row of partial inner
+/// products, which one small kernel sums per pass.
+const MOST_CUBES: usize = 1024;
+
+/// Elements per unit (at least) of the backward's loop.
+const ELEMENTS_PER_UNIT: usize = 4;
+
+/// What the CubeCL ops keep of a history: buffers of its capacity, allocated by its first mix.
+pub(super) struct Storage {
+    /// State `n` in row `n` of `[capacity, len]`, written by the mix that pushes it.
+    states: CubeTensor,
+    /// The weights, packed (`W_g` in row `g` of `[segments, row]`), written by the mixes that
+    /// take them: what the backward reads the later mixes' weights from.
+    weights: CubeTensor,
+    /// `∂m_t` in row `t`, written by mix `t`'s backward where an earlier state's backward reads
+    /// it (its mix has earlier states).
+    grads: Option<CubeTensor>,
+    /// Which rows of `grads` hold a gradient of this backward pass.
+    stored: Vec<bool>,
+    /// `[cubes, segments · row]` partial inner products `⟨x_s, ∂m_t⟩` at their weights'
+    /// packed positions, zero elsewhere.
+    partials: Option<CubeTensor>,
+}
+
+fn upload(like: &CubeTensor, values: &[u32]) -> CubeTensor {
+    let handle = like.client.create_from_slice(bytemuck::cast_slice(values));
+    CubeTensor::new_contiguous(
+        like.client.clone(),
+        like.device.clone(),
+        Shape::new([values.len()]),
+        handle,
+        DType::U32,
+    )
+}
+
+/// `weights` in `dtype` (the states'), where a model keeps its parameters in another.
+fn weights_as(weights: CubeTensor, dtype: DType) -> CubeTensor {
+    let weights = into_contiguous(weights);
+    if weights.dtype == dtype {
+        weights
+    } else {
+        Cube::float_cast(weights, dtype.into())
+    }
+}
+
+/// The backward's launch: `(threads, cubes)` for `len` elements and `slots` sums per unit.
+fn backward_launch(like: &CubeTensor, len: usize, slots: usize) -> (usize, usize) {
+    let threads = threads_for(like, slots, 256);
+    let cubes = len
+        .div_ceil(threads * ELEMENTS_PER_UNIT)
+        .clamp(1, MOST_CUBES);
+    (threads, cubes)
+}
+
+fn forward(
+    records: &mut Records,
+    mix: usize,
+    weights: CubeTensor,
+    newest: CubeTensor,
+) -> CubeTensor {
+    let newest = into_contiguous(newest);
+    let len = newest.meta.shape().num_elements();
+    let capacity = records.capacity;
+    let [segments, row] = records.packed_layout(newest.dtype);
+    let storage = records.cube.get_or_insert_with(|| Storage {
+        states: empty(&newest, Shape::new([capacity, len])),
+        weights: empty(&newest, Shape::new([segments * row])),
+        grads: None,
+        stored: vec![false; capacity],
+        partials: None,
+    });
+    assert_eq!(
+        storage.states.meta.shape()[1],
+        len,
+        "history mix: state shapes"
+    );
+    let plan = &records.mixes[mix];
+    // [slot and position of every earlier state…, the newest's position, the row of W_g]
+    let mut table: Vec<u32> = Vec::with_capacity(2 * plan.states.len() + 1);
+    let earlier = plan.states.len() - 1;
+    for (&state, &position) in plan.states[..earlier].iter().zip(&plan.positions) {
+        table.extend([state as u32, position as u32]);
+    }
+    table.push(plan.positions[earlier] as u32);
+    table.push((plan.segment * row) as u32);
+    let table = upload(&newest, &table);
+    let weights = weights_as(weights, newest.dtype);
+    let output = empty(&newest, newest.meta.shape().clone());
+    // Enough units for the copy of W_g too.
+    let units = len.max(weights.meta.shape().num_elements());
+    let dim = CubeDim::new(&newest.client, units);
+    let cubes = calculate_cube_count_elemwise(&newest.client, units, dim);
+    forward_kernel::launch(
+        &newest.client,
+        cubes,
+        dim,
+        storage.states.clone().into_tensor_arg(),
+        storage.weights.clone().into_tensor_arg(),
+        newest.clone().into_tensor_arg(),
+        weights.into_tensor_arg(),
+        table.into_tensor_arg(),
+        output.clone().into_tensor_arg(),
+        mix,
+        earlier,
+        dtype_to_storage_type(newest.dtype),
+    );
+    output
+}
+
+fn backward(
+    records: &mut Records,
+    mix: usize,
+    grad: CubeTensor,
+    wanted: Wanted,
+) -> (CubeTensor, CubeTensor) {
+    let (weights_wanted, newest_wanted) = (wanted.weights, wanted.newest);
+    let grad = into_contiguous(grad);
+    let len = grad.meta.shape().num_elements();
+    let capacity = records.capacity;
+    let [segments, row] = records.packed_layout(grad.dtype);
+    let weight_count = segments * row;
+    // Packed positions: [own, then slot and position of each later mix over this one's newest
+    // state, then of each orphan state of this mix]
+    let packed = |t: usize, position: usize| records.packed_position(t, position, row) as u32;
+    let own = *records.mixes[mix]
+        .positions
+        .last()
+        .expect("a mix has a state");
+    let mut table = vec![packed(mix, own)];
+    let stored = &records
+        .cube
+        .as_ref()
+        .expect("the forward allocated the history")
+        .stored;
+    let later_mixes = records.mixes.iter().enumerate().skip(mix + 1);
+    for (t, plan) in later_mixes.filter(|&(t, _)| stored[t]) {
+        if let Some(term) = plan.states.iter().position(|&s| s == mix) {
+            table.extend([t as u32, packed(t, plan.positions[term])]);
+        }
+    }
+    let later = (table.len() - 1) / 2;
+    let orphans = if weights_wanted {
+        let before = table.len();
+        for (state, position) in records.mixes[mix].orphans(&records.mixes) {
+            table.extend([state as u32, packed(mix, position)]);
+        }
+        (table.len() - before) / 2
+    } else {
+        0
+    };
+    let Records { mixes, cube, .. } = records;
+    let storage = cube.as_mut().expect("the forward allocated the history");
+    let table = upload(&grad, &table);
+    // An earlier state's backward reads this ∂m.
+    let store = mixes[mix].states.len() > 1;
+    if store && storage.grads.is_none() {
+        storage.grads = Some(empty(&grad, Shape::new([capacity, len])));
+    }
+    storage.stored[mix] = store;
+    let (threads, cubes) = backward_launch(&grad, len, 1 + later + orphans);
+    if weights_wanted && storage.partials.is_none() {
+        let shape = Shape::new([cubes, weight_count]);
+        storage.partials = Some(Cube::float_zeros(shape, &grad.device, grad.dtype.into()));
+    }
+    let placeholder = || empty(&grad, Shape::new([1]));
+    let grad_newest = if newest_wanted {
+        empty(&grad, grad.meta.shape().clone())
+    } else {
+        placeholder()
+    };
+    let grads = storage.grads.clone().unwrap_or_else(placeholder);
+    let partials = storage.partials.clone().unwrap_or_else(placeholder);
+    backward_kernel::launch(
+        &grad.client,
+        CubeCount::Static(cubes as u32, 1, 1),
+        CubeDim::new_1d(threads as u32),
+        storage.states.clone().into_tensor_arg(),
+        grads.into_tensor_arg(),
+        grad.clone().into_tensor_arg(),
+        storage.weights.clone().into_tensor_arg(),
+        table.into_tensor_arg(),
+        grad_newest.clone().into_tensor_arg(),
+        partials.clone().into_tensor_arg(),
+        mix,
+        later,
+        orphans,
+        store,
+        newest_wanted,
+        weights_wanted,
+        threads,
+        dtype_to_storage_type(grad.dtype),
+    );
+    // The first tracked mix's backward is the last to run: the partial sums are complete.
+    let grad_weights = if wanted.hand_over {
+        let sums = empty(&partials, Shape::new([weight_count]));
+        let dim = CubeDim::new(&grad.client, weight_count);
+        let count = calculate_cube_count_elemwise(&grad.client, weight_count, dim);
+        sum_rows_kernel::launch(
+            &grad.client,
+            count,
+            dim,
+            partials.into_tensor_arg(),
+            sums.clone().into_tensor_arg(),
+            dtype_to_storage_type(grad.dtype),
+        );
+        CubeTensor::new_contiguous(
+            sums.client,
+            sums.device,
+            Shape::new([segments, row]),
+            sums.handle,
+            sums.dtype,
+        )
+    } else {
+        empty(&grad, Shape::new([1]))
+    };
+    (grad_weights, grad_newest)
+}
+
+impl HistoryMixBackend for Cube {
+    fn history_mix(
+        history: History,
+        mix: usize,
+        weights: CubeTensor,
+        newest: CubeTensor,
+    ) -> CubeTensor {
+        forward(&mut history.lock(), mix, weights, newest)
+    }
+
+    fn history_mix_backward(
+        history: History,
+        mix: usize,
+        grad: CubeTensor,
+        wanted: Wanted,
+    ) -> (CubeTensor, CubeTensor) {
+        backward(&mut history.lock(), mix, grad, wanted)
+    }
+
+    fn history_weight_segment(history: History, packed: CubeTensor, segment: usize) -> CubeTensor {
+        let length = history.lock().segments[segment].length;
+        let row = packed.meta.shape()[1];
+        let offset = (segment * row * packed.dtype.size()) as u64;
+        if offset.is_multiple_of(packed.client.properties().memory.alignment) {
+            let handle = packed.handle.clone().offset_start(offset);
+            return CubeTensor::new_contiguous(
+                packed.client.clone(),
+                packed.device.clone(),
+                Shape::new([length]),
+                handle,
+                packed.dtype,
+            );
+        }
+        // A runtime with a coarser alignment: a copy (one small kernel).
+        let part = burn_cubecl::kernel::slice(packed, &[segment..segment + 1, 0..length]);
+        Cube::float_reshape(part, Shape::new([length]))
+    }
+}
+
+mod kernels {
+    use cubecl::prelude::*;
+
+    use crate::backend::cube_launch::kernels::sum_over_cube;
+
+    /// `m = Σ_j W[k_j] states[s_j] + W[k_n] x_n`, `states[slot] = x_n` and `W` copied to its
+    /// packed row; one unit per element (and per weight). `table`: `[s_0, k_0, s_1, k_1, …,
+    /// k_n, packed row offset]`.
+    #[cube(launch)]
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn forward_kernel<E: Float>(
+        states: &mut Tensor<E>,
+        packed: &mut Tensor<E>,
+        newest: &Tensor<E>,
+        weights: &Tensor<E>,
+        table: &Tensor<u32>,
+        output: &mut Tensor<E>,
+        #[comptime] slot: usize,
+        #[comptime] earlier: usize,
+        #[define(E)] _dtype: ElemType,
+    ) {
+        let i = ABSOLUTE_POS;
+        let len = newest.len();
+        if i < weights.len() {
+            packed[table[comptime!(2 * earlier + 1)] as usize + i] = weights[i];
+        }
+        if i >= len {
+            terminate!();
+        }
+        let x = newest[i];
+        let mut total = weights[table[comptime!(2 * earlier)] as usize] * x;
+        for j in 0..earlier {
+            let state = table[2 * j] as usize;
+            total += weights[table[2 * j + 1] as usize] * states[state * len + i];
+        }
+        states[slot * len + i] = x;
+        output[i] = total;
+    }
+
+    /// For the newest state `x_n` of mix `t = slot` and the mixes `t'` over it (`∂m_t` in
+    /// `grad`, the later ones in rows of `grads`): `∂x_n = Σ W[k(t', n)] ∂m_t'` and, per cube,
+    /// `partials[cube, k(t', n)] += ⟨x_n, ∂m_t'⟩` over the cube's elements; `grads[slot] = ∂m_t`
+    /// where `store`; and for each orphan state `x_o` of the mix, `⟨x_o, ∂m_t⟩` likewise.
+    /// `table`: `[k(t, n), t'_1, k(t'_1, n), …, o_1, k(t, o_1), …]`. A grid-stride loop.
+    #[cube(launch)]
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn backward_kernel<E: Float>(
+        states: &Tensor<E>,
+        grads: &mut Tensor<E>,
+        grad: &Tensor<E>,
+        weights: &Tensor<E>,
+        table: &Tensor<u32>,
+        grad_newest: &mut Tensor<E>,
+        partials: &mut Tensor<E>,
+        #[comptime] slot: usize,
+        #[comptime] later: usize,
+        #[comptime] orphans: usize,
+        #[comptime] store: bool,
+        #[comptime] newest_wanted: bool,
+        #[comptime] weights_wanted: bool,
+        #[comptime] threads: usize,
+        #[define(E)] _dtype: ElemType,
+    ) {
+        let len = grad.len();
+        let terms = comptime!(later + 1);
+        let slots = comptime!(later + 1 + orphans);
+        let mut gains = Array::<E>::new(terms);
+        gains[0] = weights[table[0] as usize];
+        for j in 0..later {
+            gains[j + 1] = weights[table[2 * j + 2] as usize];
+        }
+        let mut dots = Array::<E>::new(slots);
+        for j in 0..slots {
+            dots[j] = E::new(0.0);
+        }
+        let stride = CUBE_COUNT * threads;
+        let mut i = CUBE_POS * threads + UNIT_POS as usize;
+        while i < len {
+            let own = grad[i];
+            if comptime!(store) {
+                grads[slot * len + i] = own;
+            }
+            let mut x = E::new(0.0);
+            if comptime!(weights_wanted) {
+                x = states[slot * len + i];
+                dots[0] += x * own;
+            }
+            let mut total = gains[0] * own;
+            for j in 0..later {
+                let g = grads[(table[2 * j + 1] as usize) * len + i];
+                total += gains[j + 1] * g;
+                if comptime!(weights_wanted) {
+                    dots[j + 1] += x * g;
+                }
+            }
+            if comptime!(newest_wanted) {
+                grad_newest[i] = total;
+            }
+            for j in 0..orphans {
+                let orphan = table[comptime!(2 * later + 1) + 2 * j] as usize;
+                dots[terms + j] += states[orphan * len + i] * own;
+            }
+            i += stride;
+        }
+        if comptime!(weights_wanted) {
+            let unit = UNIT_POS as usize;
+            let mut shared = Shared::<[E]>::new_slice(comptime!(threads * slots));
+            for j in 0..slots {
+                shared[unit * slots + j] = dots[j];
+            }
+            sync_cube();
+            sum_over_cube::<E>(&mut shared, slots);
+            // One unit adds them: two terms may share a position.
+            if unit == 0 {
+                let row = CUBE_POS * partials.shape(1);
+                partials[row + table[0] as usize] += shared[0];
+                for j in 0..comptime!(later + orphans) {
+                    partials[row + table[2 * j + 2] as usize] += shared[j + 1];
+                }
+            }
+        }
+    }
+
+    /// `sums[k] = Σ_c partials[c, k]`; one unit per column.
+    #[cube(launch)]
+    pub(super) fn sum_rows_kernel<E: Float>(
+        partials: &Tensor<E>,
+        sums: &mut Tensor<E>,
+        #[define(E)] _dtype: ElemType,
+    ) {
+        let k = ABSOLUTE_POS;
+        let columns = partials.shape(1);
+        if k >= columns {
+            terminate!();
+        }
+        let mut total = E::new(0.0);
+        for c in 0..partials.shape(0) {
+            total += partials[c * columns + k];
+        }
+        sums[k] = total;
+    }
+}

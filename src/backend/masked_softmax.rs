@@ -1,0 +1,433 @@
+//! A softmax over the entries of a small matrix that a mask keeps, as one op forward and one
+//! backward on the CubeCL backends (a CubeCL kernel each, with its own backward); composed from
+//! tensor ops elsewhere. What ANCRe's coefficients are made of.
+//!
+//! Per line `ℓ` (a column for `axis = 0`, a row for `axis = 1`) of `L` (`[R, C]`), with kept
+//! entries `K_ℓ` and temperature `τ`:
+//!
+//! ```text
+//! s_k = exp(L_k / τ − max_{K_ℓ} L / τ) / Σ_{K_ℓ} exp(L / τ − max_{K_ℓ} L / τ)   (k ∈ K_ℓ)
+//! P_k = s_k on kept entries, 0 on the others, and 1 on the entries marked `ones` (kept too:
+//!       they take part in their line's normalisation, and their value is fixed)
+//!
+//! ∂L_k = s_k (g_k − Σ_{K_ℓ} s g) / τ     g = ∂P on kept entries not fixed to 1, else 0
+//! ```
+//!
+//! Composed from tensor ops this is a division, two mask fills, the softmax's two reductions and
+//! two elementwise passes forward and about as many backward, a kernel each on a GPU, for a
+//! matrix of a few hundred entries. A kernel's unit here owns one line.
+
+use burn::prelude::*;
+use burn::tensor::activation::softmax;
+
+/// Which entries of a `[R, C]` matrix take part in the softmax and which are fixed to 1,
+/// row-major.
+pub(crate) struct SoftmaxMask {
+    pub(crate) shape: [usize; 2],
+    pub(crate) kept: Vec<bool>,
+    pub(crate) ones: Vec<bool>,
+}
+
+/// `P` of the [module docs](self) for `logits [R, C]` along `axis` (0 or 1): one kernel forward
+/// and one backward on a CubeCL device, tensor ops elsewhere.
+pub(crate) fn masked_softmax(
+    logits: Tensor<2>,
+    mask: &SoftmaxMask,
+    axis: usize,
+    temperature: f64,
+) -> Tensor<2> {
+    let device = logits.device();
+    #[cfg(feature = "cube-kernels")]
+    if super::is_cube(&device) && logits.dtype().is_float() {
+        // 0: dropped, 1: kept, 2: kept and fixed to 1.
+        let codes: Vec<f32> = (mask.kept.iter().zip(&mask.ones))
+            .map(|(&kept, &one)| f32::from(u8::from(kept) + u8::from(one)))
+            .collect();
+        let codes = TensorData::new(codes, mask.shape).convert_dtype(logits.dtype());
+        let codes = Tensor::<2>::from_data(codes, &device);
+        return Tensor::from_dispatch(
+            <burn::backend::Dispatch as op::MaskedSoftmaxBackend>::masked_softmax(
+                logits.into_dispatch(),
+                codes.into_dispatch(),
+                axis,
+                temperature,
+            ),
+        );
+    }
+    let bools = |values: Vec<bool>| {
+        Tensor::<2, Bool>::from_data(TensorData::new(values, mask.shape), &device)
+    };
+    let dropped = bools(mask.kept.iter().map(|&kept| !kept).collect());
+    let ones = bools(mask.ones.clone());
+    // A large finite fill (not -inf) keeps a line with no kept entry free of NaN.
+    let scaled = logits
+        .div_scalar(temperature)
+        .mask_fill(dropped.clone(), -1e30);
+    softmax(scaled, axis)
+        .mask_fill(dropped, 0.0)
+        .mask_fill(ones, 1.0)
+}
+
+/// The op and its kernels (CubeCL backends).
+#[cfg(feature = "cube-kernels")]
+mod op {
+    use burn::backend::autodiff::checkpoint::base::Checkpointer;
+    use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
+    use burn::backend::autodiff::grads::Gradients;
+    use burn::backend::autodiff::ops::{Backward, Ops};
+    use burn::backend::autodiff::{Autodiff, NodeId};
+    use burn::backend::tensor::FloatTensor;
+    use burn::backend::{Backend, backend_extension};
+
+    use crate::backend::autodiff::{constant, tracked_op};
+
+    /// The masked softmax as an op of its own (see the [module docs](self)).
+    #[backend_extension(
+        Cube: cfg(feature = "cube-kernels"),
+        Fusion: cfg(feature = "cube-kernels"),
+        Autodiff
+    )]
+    pub(crate) trait MaskedSoftmaxBackend: Backend {
+        /// `P` for `logits [R, C]` and `codes` (0 dropped, 1 kept, 2 kept and fixed to 1).
+        #[fusion(dtype = logits, shape = logits)]
+        fn masked_softmax(
+            logits: FloatTensor<Self>,
+            codes: FloatTensor<Self>,
+            axis: usize,
+            temperature: f64,
+        ) -> FloatTensor<Self>;
+
+        /// `∂L` given `∂P`.
+        #[fusion(dtype = logits, shape = logits)]
+        fn masked_softmax_backward(
+            logits: FloatTensor<Self>,
+            codes: FloatTensor<Self>,
+            grad: FloatTensor<Self>,
+            axis: usize,
+            temperature: f64,
+        ) -> FloatTensor<Self>;
+    }
+
+    #[derive(Debug)]
+    struct MaskedSoftmax;
+
+    impl<B: MaskedSoftmaxBackend> Backward<B, 2> for MaskedSoftmax {
+        /// The checkpointed logits and codes, the axis and the temperature.
+        type State = (NodeId, NodeId, usize, f64);
+
+        fn backward(
+            self,
+            ops: Ops<Self::State, 2>,
+            grads: &mut Gradients,
+            checkpointer: &mut Checkpointer,
+        ) {
+            let grad = grads.consume::<B>(&ops.node);
+            let (logits, codes, axis, temperature) = ops.state;
+            if let [Some(parent), _] = ops.parents {
+                let logits = checkpointer.retrieve_node_output(logits);
+                let codes = checkpointer.retrieve_node_output(codes);
+                let grad = B::masked_softmax_backward(logits, codes, grad, axis, temperature);
+                grads.register::<B>(parent.id, grad);
+            }
+        }
+    }
+
+    impl<B: MaskedSoftmaxBackend, C: CheckpointStrategy> MaskedSoftmaxBackend for Autodiff<B, C> {
+        fn masked_softmax(
+            logits: FloatTensor<Self>,
+            codes: FloatTensor<Self>,
+            axis: usize,
+            temperature: f64,
+        ) -> FloatTensor<Self> {
+            tracked_op::<B, C, _, _>(
+                MaskedSoftmax,
+                [logits, codes],
+                |[logits, codes]| B::masked_softmax(logits, codes, axis, temperature),
+                |[logits, codes], _| (logits, codes, axis, temperature),
+            )
+        }
+
+        fn masked_softmax_backward(
+            logits: FloatTensor<Self>,
+            codes: FloatTensor<Self>,
+            grad: FloatTensor<Self>,
+            axis: usize,
+            temperature: f64,
+        ) -> FloatTensor<Self> {
+            constant::<B, C>(B::masked_softmax_backward(
+                logits.into_primitive(),
+                codes.into_primitive(),
+                grad.into_primitive(),
+                axis,
+                temperature,
+            ))
+        }
+    }
+
+    mod cube {
+        use burn::backend::cubecl::dtype_to_storage_type;
+        use burn_cubecl::kernel::into_contiguous;
+        use burn_cubecl::tensor::CubeTensor;
+        use cubecl::{CubeDim, calculate_cube_count_elemwise};
+
+        use super::MaskedSoftmaxBackend;
+        use crate::backend::cube_launch::{Cube, empty};
+        use crate::backend::kernel_constant;
+        use kernels::{backward_kernel, forward_kernel};
+
+        /// One unit per line.
+        fn launch_shape(logits: &CubeTensor, axis: usize) -> (cubecl::CubeCount, CubeDim) {
+            let lines = logits.meta.shape()[1 - axis];
+            let dim = CubeDim::new(&logits.client, lines);
+            (
+                calculate_cube_count_elemwise(&logits.client, lines, dim),
+                dim,
+            )
+        }
+
+        impl MaskedSoftmaxBackend for Cube {
+            fn masked_softmax(
+                logits: CubeTensor,
+                codes: CubeTensor,
+                axis: usize,
+                temperature: f64,
+            ) -> CubeTensor {
+                let logits = into_contiguous(logits);
+                let codes = into_contiguous(codes);
+                let output = empty(&logits, logits.meta.shape().clone());
+                let (cubes, dim) = launch_shape(&logits, axis);
+                forward_kernel::launch(
+                    &logits.client,
+                    cubes,
+                    dim,
+                    logits.clone().into_tensor_arg(),
+                    codes.into_tensor_arg(),
+                    output.clone().into_tensor_arg(),
+                    axis,
+                    kernel_constant(temperature),
+                    dtype_to_storage_type(logits.dtype),
+                );
+                output
+            }
+
+            fn masked_softmax_backward(
+                logits: CubeTensor,
+                codes: CubeTensor,
+                grad: CubeTensor,
+                axis: usize,
+                temperature: f64,
+            ) -> CubeTensor {
+                let logits = into_contiguous(logits);
+                let codes = into_contiguous(codes);
+                let grad = into_contiguous(grad);
+                let output = empty(&logits, logits.meta.shape().clone());
+                let (cubes, dim) = launch_shape(&logits, axis);
+                backward_kernel::launch(
+                    &logits.client,
+                    cubes,
+                    dim,
+                    logits.clone().into_tensor_arg(),
+                    codes.into_tensor_arg(),
+                    grad.into_tensor_arg(),
+                    output.clone().into_tensor_arg(),
+                    axis,
+                    kernel_constant(temperature),
+                    dtype_to_storage_type(logits.dtype),
+                );
+                output
+            }
+        }
+
+        mod kernels {
+            use cubecl::prelude::*;
+
+            /// The largest kept `L / τ` of the line of `length` entries from `base`, `step` apart.
+            #[cube]
+            fn line_max<E: Float>(
+                logits: &Tensor<E>,
+                codes: &Tensor<E>,
+                base: usize,
+                length: usize,
+                step: usize,
+                temperature: E,
+            ) -> E {
+                let mut top = E::new(0.0);
+                let mut any = false;
+                for k in 0..length {
+                    let at = base + k * step;
+                    let value = logits[at] / temperature;
+                    if codes[at] > E::new(0.5) && (!any || value > top) {
+                        top = value;
+                        any = true;
+                    }
+                }
+                top
+            }
+
+            /// `Σ exp(L / τ − top)` over the line's kept entries.
+            #[cube]
+            fn line_total<E: Float>(
+                logits: &Tensor<E>,
+                codes: &Tensor<E>,
+                base: usize,
+                length: usize,
+                step: usize,
+                temperature: E,
+                top: E,
+            ) -> E {
+                let mut total = E::new(0.0);
+                for k in 0..length {
+                    let at = base + k * step;
+                    if codes[at] > E::new(0.5) {
+                        total += (logits[at] / temperature - top).exp();
+                    }
+                }
+                total
+            }
+
+            #[cube(launch)]
+            pub(super) fn forward_kernel<E: Float>(
+                logits: &Tensor<E>,
+                codes: &Tensor<E>,
+                output: &mut Tensor<E>,
+                #[comptime] axis: usize,
+                #[comptime] temperature_bits: u32,
+                #[define(E)] _dtype: ElemType,
+            ) {
+                let temperature = E::new(comptime!(f32::from_bits(temperature_bits)));
+                let rows = logits.shape(0);
+                let columns = logits.shape(1);
+                let line = ABSOLUTE_POS;
+                // A column (axis 0) or a row (axis 1).
+                let mut lines = rows;
+                let mut base = line * columns;
+                let mut length = columns;
+                let mut step = 1usize;
+                if comptime!(axis == 0) {
+                    lines = columns;
+                    base = line;
+                    length = rows;
+                    step = columns;
+                }
+                if line >= lines {
+                    terminate!();
+                }
+                let top = line_max::<E>(logits, codes, base, length, step, temperature);
+                let total = line_total::<E>(logits, codes, base, length, step, temperature, top);
+                for k in 0..length {
+                    let at = base + k * step;
+                    let code = codes[at];
+                    let mut value = E::new(0.0);
+                    if code > E::new(1.5) {
+                        value = E::new(1.0);
+                    } else if code > E::new(0.5) {
+                        value = (logits[at] / temperature - top).exp() / total;
+                    }
+                    output[at] = value;
+                }
+            }
+
+            #[cube(launch)]
+            pub(super) fn backward_kernel<E: Float>(
+                logits: &Tensor<E>,
+                codes: &Tensor<E>,
+                grad: &Tensor<E>,
+                output: &mut Tensor<E>,
+                #[comptime] axis: usize,
+                #[comptime] temperature_bits: u32,
+                #[define(E)] _dtype: ElemType,
+            ) {
+                let temperature = E::new(comptime!(f32::from_bits(temperature_bits)));
+                let rows = logits.shape(0);
+                let columns = logits.shape(1);
+                let line = ABSOLUTE_POS;
+                // A column (axis 0) or a row (axis 1).
+                let mut lines = rows;
+                let mut base = line * columns;
+                let mut length = columns;
+                let mut step = 1usize;
+                if comptime!(axis == 0) {
+                    lines = columns;
+                    base = line;
+                    length = rows;
+                    step = columns;
+                }
+                if line >= lines {
+                    terminate!();
+                }
+                let top = line_max::<E>(logits, codes, base, length, step, temperature);
+                let total = line_total::<E>(logits, codes, base, length, step, temperature, top);
+                // Σ s g over the kept entries not fixed to 1.
+                let mut dot = E::new(0.0);
+                for k in 0..length {
+                    let at = base + k * step;
+                    let code = codes[at];
+                    if code > E::new(0.5) && code < E::new(1.5) {
+                        dot += (logits[at] / temperature - top).exp() / total * grad[at];
+                    }
+                }
+                for k in 0..length {
+                    let at = base + k * step;
+                    let code = codes[at];
+                    let mut value = E::new(0.0);
+                    if code > E::new(0.5) {
+                        let share = (logits[at] / temperature - top).exp() / total;
+                        let mut upstream = E::new(0.0);
+                        if code < E::new(1.5) {
+                            upstream = grad[at];
+                        }
+                        value = share * (upstream - dot) / temperature;
+                    }
+                    output[at] = value;
+                }
+            }
+        }
+    }
+}
+
+#[cfg(all(test, feature = "wgpu"))]
+mod tests {
+    use burn::prelude::*;
+    use burn::tensor::{Distribution, Tolerance};
+
+    use super::{SoftmaxMask, masked_softmax};
+    use crate::device::device;
+
+    /// The kernels on wgpu against the composed form on Flex, values and the gradient of the
+    /// logits, along both axes: a strictly upper-triangular mask (a first column and a last row
+    /// with nothing kept), two entries fixed to 1 (one alone in its column, one sharing its
+    /// row), temperature 0.7.
+    #[test]
+    fn kernels_match_the_composed_softmax() {
+        let size = 5;
+        let kept: Vec<bool> = (0..size * size).map(|k| k / size < k % size).collect();
+        let mut ones = vec![false; size * size];
+        ones[1] = true; // (0, 1): alone in column 1
+        ones[size + 3] = true; // (1, 3): in row 1 with (1, 2) and (1, 4)
+        let mask = SoftmaxMask {
+            shape: [size, size],
+            kept,
+            ones,
+        };
+        let flex = Device::flex().autodiff();
+        let wgpu = device("wgpu").expect("wgpu compiled in").autodiff();
+        let logits = Tensor::<2>::random([size, size], Distribution::Normal(0.0, 1.0), &flex);
+        let probe = Tensor::<2>::random([size, size], Distribution::Normal(0.0, 1.0), &flex);
+        for axis in [0, 1] {
+            let run = |device: &Device| {
+                let logits = logits.clone().to_device(device).require_grad();
+                let p = masked_softmax(logits.clone() * 1.0, &mask, axis, 0.7);
+                let grads = (p.clone() * probe.clone().to_device(device))
+                    .sum()
+                    .backward();
+                [
+                    p.into_data(),
+                    logits.grad(&grads).expect("tracked").into_data(),
+                ]
+            };
+            for (kernel, composed) in run(&wgpu).iter().zip(run(&flex)) {
+                kernel.assert_approx_eq::<f32>(&composed, Tolerance::absolute(1e-5));
+            }
+        }
+    }
+}

@@ -15,13 +15,13 @@
 //! reference code freezes it). **Outgoing** normalisation (paper eq. 6, an ablation) takes the
 //! softmax over the targets `j > i` of each source instead.
 //!
-//! The mixture is accumulated progressively: as soon as `s_i` exists, `p_ij s_i` is added to
-//! the pending sum of every later target `j`; no `[j, batch, …]` history is ever stacked.
-//! On Flex (f32, f64) each target's mixture is instead one fused op over the states so far, with
-//! its own backward (`src/backend/history_mix.rs`: one pass per target forward and backward).
-//! A step is one fused kernel on CubeCL backends: a forward pass fetches `p` once, as host
-//! scalars when no gradient flows to the logits (inference) and as scalar views of an aligned
-//! table under a gradient (`BENCHMARKS.md`, "Kernels per block on CubeCL").
+//! On Flex (f32, f64) and on the CubeCL backends (wgpu, vulkan, metal, cuda) each target's
+//! mixture is one fused op over the states so far, with its own backward
+//! (`src/backend/history_mix.rs`): one pass per target forward and one backward, a kernel each
+//! on a GPU however many sources it reads, and `p` is one masked-softmax kernel each way
+//! (`src/backend/masked_softmax.rs`). Elsewhere the mixture is accumulated progressively: as
+//! soon as `s_i` exists, `p_ij s_i` is added to the pending sum of every later target `j`; no
+//! `[j, batch, …]` history is ever stacked (`BENCHMARKS.md`, "Train steps on CubeCL").
 //!
 //! In branch outputs, `coef(s_j) = e_j + Σ_{i<j} p_ij coef(s_i)`, so `C[:, j] = coef(s_{j-1})`
 //! and `out = coef(s_K)`.

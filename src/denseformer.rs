@@ -15,12 +15,14 @@
 //! Init `α_i = e_last` (`Y_i = X_i`): exactly ResNet. `δ = dilation`, `period` as in the paper
 //! (its 4×5 DenseFormer is `dilation = 4, period = 5`).
 //!
-//! Only the states a later average still needs are kept (`X_k` is dropped after the last `i ≥ k`
-//! that averages over it); under a gradient, autodiff keeps what the backward pass needs anyway.
-//! The average is a chain of scaled additions with the weights fetched once per forward pass
-//! (host scalars at inference, one fused kernel per step on CubeCL backends, as ANCRe's mixture);
-//! on Flex (f32, f64) with `period = 1` it is one fused op with its own backward
-//! (`src/backend/history_mix.rs`).
+//! With `period = 1`, on Flex (f32, f64) and on the CubeCL backends, each average is one fused
+//! op with its own backward (`src/backend/history_mix.rs`): a kernel forward and one backward on
+//! a GPU, however many states it reads, each `α_i` handed to it as it is (no concatenation).
+//! Otherwise the average is a chain of scaled additions with the weights fetched once per
+//! forward pass (host scalars at inference, scalar views under a gradient on CubeCL backends),
+//! and only the states a later average still needs are kept (`X_k` is dropped after the last
+//! `i ≥ k` that averages over it); under a gradient, autodiff keeps what the backward pass needs
+//! anyway.
 //!
 //! `C` and the output column follow exactly from the linear recursion:
 //! `coef(X_i) = coef(Y_{i-1}) + e_i`, `C[:, i] = coef(Y_{i-1})`, `out = coef(Y_L)`.

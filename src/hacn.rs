@@ -22,7 +22,7 @@ use burn::module::Param;
 use burn::prelude::*;
 use burn::tensor::Distribution;
 
-use crate::backend::{Scales, UsedEntries};
+use crate::backend::Scales;
 use crate::connectivity::{Connectivity, ConnectivityConfig, StreamConnectivity, leading_part};
 use crate::error::{Error, Result, check_depth, check_finite, check_non_negative, check_positive};
 use crate::matrix::ConnectivityMatrix;
@@ -265,7 +265,7 @@ impl<const D: usize> StreamConnectivity<D> for Hacn {
         HacnState {
             stream: input.clone(),
             sum: input,
-            gates: Scales::new(gates.unsqueeze(), UsedEntries::All, tracked),
+            gates: Scales::chained(gates.unsqueeze(), tracked),
         }
     }
 
@@ -310,6 +310,62 @@ mod tests {
     use crate::connectivity::probe_matrix;
     use crate::stack::Stack;
     use crate::test_util::{assert_close, blocks, input, residual_loop};
+
+    /// The chained gates on wgpu (one backward kernel per step, the gates' gradient summed once
+    /// per pass) against Flex, with an input that needs a gradient and one that does not: the
+    /// output and the gradients of the gates, of every block and of the input.
+    #[cfg(feature = "wgpu")]
+    #[test]
+    fn chained_gates_on_wgpu_match_flex() {
+        use burn::module::Module;
+        use burn::tensor::Distribution;
+
+        use crate::test_util::{OnDevice, gradient};
+
+        let wgpu = crate::device::device("wgpu")
+            .expect("wgpu compiled in")
+            .autodiff();
+        let flex = Device::flex().autodiff();
+        let config = HacnConfig::new().with_init(GateInit::Normal {
+            mean: 1.0,
+            std: 0.5,
+        });
+        let reference = Stack::new(blocks(5, &Device::flex()), &config, &Device::flex()).unwrap();
+        let x = input(&Device::flex());
+        let probe = Tensor::<3>::random(x.shape(), Distribution::Normal(0.0, 1.0), &x.device());
+        for input_tracked in [true, false] {
+            let run = |device: &Device| {
+                let stack = reference.clone().map(&mut OnDevice(device.clone()));
+                assert!(stack.connectivity.gates.val().is_require_grad());
+                let x = Tensor::<3>::from_data(x.to_data(), device);
+                let x = if input_tracked { x.require_grad() } else { x };
+                let out = stack.forward(x.clone());
+                let loss = (out.clone() * Tensor::from_data(probe.to_data(), device)).sum();
+                let grads = loss.backward();
+                let mut values = vec![out.into_data().iter().collect::<Vec<f64>>()];
+                values.push(gradient(&stack.connectivity.gates, &grads));
+                values.extend(
+                    stack
+                        .blocks
+                        .iter()
+                        .map(|b| gradient(&b.linear.weight, &grads)),
+                );
+                if input_tracked {
+                    let grad = x.grad(&grads).expect("tracked input");
+                    values.push(grad.into_data().iter().collect());
+                }
+                values
+            };
+            let (kernels, reference) = (run(&wgpu), run(&flex));
+            assert_eq!(kernels.len(), reference.len());
+            for (a, b) in kernels.iter().zip(&reference) {
+                assert_eq!(a.len(), b.len());
+                for (a, b) in a.iter().zip(b) {
+                    assert!((a - b).abs() <= 1e-4 * (1.0 + b.abs()), "{a} vs {b}");
+                }
+            }
+        }
+    }
 
     #[test]
     fn fixed_unit_gates_are_the_plain_residual_loop() {

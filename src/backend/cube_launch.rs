@@ -1,6 +1,7 @@
 //! What the crate's CubeCL kernels share: launch shapes, output allocation and the in-cube sum
 //! of per-unit partial results.
 
+use burn::backend::cubecl::dtype_to_storage_type;
 use burn::tensor::Shape;
 use burn_cubecl::CubeBackend;
 use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
@@ -27,6 +28,40 @@ pub(crate) fn per_item(tensor: &CubeTensor, items: usize, threads: usize) -> (Cu
     let dim = CubeDim::new_1d(threads as u32);
     let count = calculate_cube_count_elemwise(&tensor.client, items * threads, dim);
     (count, dim)
+}
+
+/// The most cubes of a grid-stride loop that writes one row of partial sums per cube (summed
+/// afterwards by [`column_sums`]).
+const MOST_CUBES: usize = 1024;
+
+/// Elements per unit (at least) of such a loop.
+const ELEMENTS_PER_UNIT: usize = 4;
+
+/// `(threads, cubes)` of a grid-stride loop over `len` elements with `slots` partial sums per
+/// unit: a full cube size where the sums fit, enough cubes for a few elements per unit.
+pub(crate) fn grid_stride(like: &CubeTensor, len: usize, slots: usize) -> (usize, usize) {
+    let threads = threads_for(like, slots, 256);
+    let cubes = len
+        .div_ceil(threads * ELEMENTS_PER_UNIT)
+        .clamp(1, MOST_CUBES);
+    (threads, cubes)
+}
+
+/// `Σ_c partials[c, k]` for every column `k` of `partials [cubes, K]`: `[K]`, one small kernel.
+pub(crate) fn column_sums(partials: CubeTensor) -> CubeTensor {
+    let columns = partials.meta.shape()[1];
+    let sums = empty(&partials, Shape::new([columns]));
+    let dim = CubeDim::new(&partials.client, columns);
+    let count = calculate_cube_count_elemwise(&partials.client, columns, dim);
+    kernels::column_sums_kernel::launch(
+        &partials.client,
+        count,
+        dim,
+        partials.clone().into_tensor_arg(),
+        sums.clone().into_tensor_arg(),
+        dtype_to_storage_type(partials.dtype),
+    );
+    sums
 }
 
 /// An uninitialised contiguous tensor of `shape` on `like`'s device, of its float type.
@@ -56,5 +91,24 @@ pub(crate) mod kernels {
             sync_cube();
             stride /= 2;
         }
+    }
+
+    /// `sums[k] = Σ_c partials[c, k]`; one unit per column.
+    #[cube(launch)]
+    pub(crate) fn column_sums_kernel<E: Float>(
+        partials: &Tensor<E>,
+        sums: &mut Tensor<E>,
+        #[define(E)] _dtype: ElemType,
+    ) {
+        let k = ABSOLUTE_POS;
+        let columns = partials.shape(1);
+        if k >= columns {
+            terminate!();
+        }
+        let mut total = E::new(0.0);
+        for c in 0..partials.shape(0) {
+            total += partials[c * columns + k];
+        }
+        sums[k] = total;
     }
 }

@@ -35,6 +35,17 @@ pub(crate) enum Scales {
         entries: Vec<Vec<Tensor<1>>>,
         used: UsedEntries,
     },
+    /// The differentiable values as scalar views whose gradients are summed once per pass
+    /// (`scale_entries::ScaleChain`): a caller whose every scaled stream leads to the next one's
+    /// input. CubeCL devices under autodiff only.
+    #[cfg(feature = "cube-kernels")]
+    Chained {
+        values: Box<Tensor<2>>,
+        /// Every entry, row-major, as a constant `[1]` view.
+        entries: Vec<Tensor<1>>,
+        chain: super::scale_entries::ScaleChain,
+        columns: usize,
+    },
 }
 
 /// Which entries of a [`Scales`] matrix a connectivity multiplies by: only those are taken
@@ -90,6 +101,28 @@ impl Scales {
         Self::Tracked { values, columns }
     }
 
+    /// As [`new`](Self::new) with every entry used, for a caller whose every scaled stream
+    /// leads to the input of every later one (H-ACN's gated stream): on a CubeCL device under
+    /// a gradient, each scaled stream's backward is then one kernel, and the values' gradient is
+    /// summed once per pass (`scale_entries::ScaleChain`).
+    pub(crate) fn chained(values: Tensor<2>, tracked: bool) -> Self {
+        #[cfg(feature = "cube-kernels")]
+        if tracked && super::is_cube(&values.device()) && values.device().is_autodiff() {
+            let [rows, columns] = values.dims();
+            let table = super::scale_entries::table(&values);
+            let entries = (0..rows * columns)
+                .map(|k| super::scale_entries::constant_entry(&values, &table, k))
+                .collect();
+            return Self::Chained {
+                entries,
+                chain: super::scale_entries::ScaleChain::new(&values),
+                values: Box::new(values),
+                columns,
+            };
+        }
+        Self::new(values, UsedEntries::All, tracked)
+    }
+
     /// `values[row][column] · value`.
     pub(crate) fn scale<const D: usize>(
         &self,
@@ -108,6 +141,18 @@ impl Scales {
             Self::Views { entries, used } => {
                 let entry = entries[row][column - used.first_column(row)].clone();
                 value * entry.reshape([1usize; D])
+            }
+            #[cfg(feature = "cube-kernels")]
+            Self::Chained {
+                values,
+                entries,
+                chain,
+                columns,
+            } => {
+                let index = row * columns + column;
+                let entry = entries[index].clone();
+                let values = values.as_ref().clone();
+                super::scale_entries::chained(chain, values, entry, index, value)
             }
         }
     }

@@ -9,15 +9,8 @@ use burn_cubecl::tensor::CubeTensor;
 use cubecl::{CubeCount, CubeDim, calculate_cube_count_elemwise};
 
 use super::{History, HistoryMixBackend, Records, Wanted};
-use crate::backend::cube_launch::{Cube, empty, threads_for};
-use kernels::{backward_kernel, forward_kernel, sum_rows_kernel};
-
-/// The most cubes of the backward's grid-stride loop: each writes one row of partial inner
-/// products, which one small kernel sums per pass.
-const MOST_CUBES: usize = 1024;
-
-/// Elements per unit (at least) of the backward's loop.
-const ELEMENTS_PER_UNIT: usize = 4;
+use crate::backend::cube_launch::{Cube, column_sums, empty, grid_stride};
+use kernels::{backward_kernel, forward_kernel};
 
 /// What the CubeCL ops keep of a history: buffers of its capacity, allocated by its first mix.
 pub(super) struct Storage {
@@ -55,15 +48,6 @@ fn weights_as(weights: CubeTensor, dtype: DType) -> CubeTensor {
     } else {
         Cube::float_cast(weights, dtype.into())
     }
-}
-
-/// The backward's launch: `(threads, cubes)` for `len` elements and `slots` sums per unit.
-fn backward_launch(like: &CubeTensor, len: usize, slots: usize) -> (usize, usize) {
-    let threads = threads_for(like, slots, 256);
-    let cubes = len
-        .div_ceil(threads * ELEMENTS_PER_UNIT)
-        .clamp(1, MOST_CUBES);
-    (threads, cubes)
 }
 
 fn forward(
@@ -171,7 +155,7 @@ fn backward(
         storage.grads = Some(empty(&grad, Shape::new([capacity, len])));
     }
     storage.stored[mix] = store;
-    let (threads, cubes) = backward_launch(&grad, len, 1 + later + orphans);
+    let (threads, cubes) = grid_stride(&grad, len, 1 + later + orphans);
     if weights_wanted && storage.partials.is_none() {
         let shape = Shape::new([cubes, weight_count]);
         storage.partials = Some(Cube::float_zeros(shape, &grad.device, grad.dtype.into()));
@@ -206,17 +190,7 @@ fn backward(
     );
     // The first tracked mix's backward is the last to run: the partial sums are complete.
     let grad_weights = if wanted.hand_over {
-        let sums = empty(&partials, Shape::new([weight_count]));
-        let dim = CubeDim::new(&grad.client, weight_count);
-        let count = calculate_cube_count_elemwise(&grad.client, weight_count, dim);
-        sum_rows_kernel::launch(
-            &grad.client,
-            count,
-            dim,
-            partials.into_tensor_arg(),
-            sums.clone().into_tensor_arg(),
-            dtype_to_storage_type(grad.dtype),
-        );
+        let sums = column_sums(partials);
         CubeTensor::new_contiguous(
             sums.client,
             sums.device,
@@ -390,24 +364,5 @@ mod kernels {
                 }
             }
         }
-    }
-
-    /// `sums[k] = Σ_c partials[c, k]`; one unit per column.
-    #[cube(launch)]
-    pub(super) fn sum_rows_kernel<E: Float>(
-        partials: &Tensor<E>,
-        sums: &mut Tensor<E>,
-        #[define(E)] _dtype: ElemType,
-    ) {
-        let k = ABSOLUTE_POS;
-        let columns = partials.shape(1);
-        if k >= columns {
-            terminate!();
-        }
-        let mut total = E::new(0.0);
-        for c in 0..partials.shape(0) {
-            total += partials[c * columns + k];
-        }
-        sums[k] = total;
     }
 }

@@ -153,10 +153,15 @@ impl History {
 #[derive(Clone, Debug)]
 pub(crate) enum UnitsGradient {}
 
+/// The most mixes of a history on a CubeCL device: a backward kernel keeps one partial sum per
+/// later mix over its state in registers. Deeper stacks compose.
+#[cfg(any(feature = "flex", feature = "cube-kernels"))]
+pub(crate) const MAX_CUBE_MIXES: usize = 64;
+
 /// A history of at most `capacity` mixes for the fused weighted sums of ANCRe and DenseFormer
 /// over states like `first`, their weights taken from vectors of the lengths `segments`
 /// (`src/backend/history_mix.rs`), where the device has them: Flex in f32 or f64, a CubeCL
-/// device in any float type.
+/// device in any float type with at most [`MAX_CUBE_MIXES`] mixes.
 pub(crate) fn fused_history<const D: usize>(
     first: &Tensor<D>,
     capacity: usize,
@@ -164,7 +169,8 @@ pub(crate) fn fused_history<const D: usize>(
 ) -> Option<History> {
     #[cfg(any(feature = "flex", feature = "cube-kernels"))]
     {
-        let on_cube = is_cube(&first.device()) && first.dtype().is_float();
+        let on_cube =
+            is_cube(&first.device()) && first.dtype().is_float() && capacity <= MAX_CUBE_MIXES;
         (has_fused_flex_ops(first) || on_cube)
             .then(|| History::new(first.device().is_autodiff(), capacity, segments))
     }
@@ -236,5 +242,17 @@ mod tests {
         }
         assert!(!is_libtorch(&Device::flex().autodiff()));
         let _ = device;
+    }
+
+    /// The history mix takes a CubeCL device up to its limit of mixes, and composes beyond.
+    #[cfg(feature = "wgpu")]
+    #[test]
+    fn histories_on_cubecl_stop_at_their_limit() {
+        let wgpu = device("wgpu").unwrap().autodiff();
+        let first = Tensor::<3>::zeros([2, 3, 4], &wgpu);
+        assert!(fused_history(&first, MAX_CUBE_MIXES, &[1]).is_some());
+        assert!(fused_history(&first, MAX_CUBE_MIXES + 1, &[1]).is_none());
+        let flex = Tensor::<3>::zeros([2, 3, 4], &Device::flex());
+        assert!(fused_history(&flex, MAX_CUBE_MIXES + 1, &[1]).is_some());
     }
 }

@@ -16,7 +16,10 @@
 //!
 //! A step is one fused kernel on CubeCL backends: a forward pass fetches the gates once, as
 //! host scalars when no gradient flows to them (inference, frozen gates) and as scalar views
-//! of an aligned table under a gradient (`BENCHMARKS.md`, "Kernels per block on CubeCL").
+//! of an aligned table under a gradient (`BENCHMARKS.md`, "Kernels per block on CubeCL"). Under
+//! a gradient, since every gated stream leads to the next step's input, a step's backward is
+//! one kernel (`∂s_j = a_j ∂c_j` and the partial sums of `⟨s_j, ∂c_j⟩`), and the gates'
+//! gradient is summed and handed over once per pass (`src/backend/scale_entries.rs`).
 
 use burn::module::Param;
 use burn::prelude::*;

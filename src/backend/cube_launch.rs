@@ -69,6 +69,14 @@ pub(crate) fn empty(like: &CubeTensor, shape: Shape) -> CubeTensor {
     empty_device_contiguous_dtype(like.client.clone(), like.device.clone(), shape, like.dtype)
 }
 
+/// The fusion metadata of a `[1]` placeholder of `like`'s float type: what an op's backward
+/// returns for a gradient nobody wants.
+pub(crate) fn placeholder_spec(
+    like: &burn::backend::fusion::custom::TensorSpec,
+) -> burn::backend::fusion::custom::TensorSpec {
+    burn::backend::fusion::custom::TensorSpec::new(Shape::new([1]), like.dtype)
+}
+
 /// The CubeCL backend every runtime shares.
 pub(crate) type Cube = CubeBackend;
 

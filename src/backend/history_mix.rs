@@ -42,7 +42,9 @@
 //!   backward reads it, and each kernel's cubes add their inner products to one row each of a
 //!   `[cubes, |W|]` table, which the first mix's backward sums (a second, small kernel). Per
 //!   pass: one kernel per mix forward, one per mix backward, a zero fill and the sum. The
-//!   buffers live as long as the graph: `2 · capacity` states' worth of memory.
+//!   buffers live as long as the graph: `2 · capacity` states' worth of memory. At most
+//!   `MAX_CUBE_MIXES` (64) mixes: a backward kernel keeps one partial sum per later mix in
+//!   registers; deeper stacks compose.
 //!
 //! Not differentiable twice.
 
@@ -59,6 +61,8 @@ use burn::backend::{Backend, Dispatch, backend_extension};
 use burn::tensor::{DType, Tensor};
 
 use super::autodiff::constant;
+#[cfg(feature = "cube-kernels")]
+use super::cube_launch::placeholder_spec;
 
 #[cfg(feature = "cube-kernels")]
 mod cube;
@@ -299,14 +303,6 @@ pub(crate) trait HistoryMixBackend: Backend {
         packed: FloatTensor<Self>,
         segment: usize,
     ) -> FloatTensor<Self>;
-}
-
-/// The spec of a `[1]` placeholder of `like`'s float type.
-#[cfg(feature = "cube-kernels")]
-fn placeholder_spec(
-    like: &burn::backend::fusion::custom::TensorSpec,
-) -> burn::backend::fusion::custom::TensorSpec {
-    burn::backend::fusion::custom::TensorSpec::new(burn::tensor::Shape::new([1]), like.dtype)
 }
 
 /// One mix: parents `[W_g, x_n]`; the state is the history and the mix's index in it. Each

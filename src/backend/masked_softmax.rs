@@ -173,7 +173,7 @@ mod op {
         use super::MaskedSoftmaxBackend;
         use crate::backend::cube_launch::{Cube, empty};
         use crate::backend::kernel_constant;
-        use kernels::{backward_kernel, forward_kernel};
+        use kernels::softmax_kernel;
 
         /// One unit per line.
         fn launch_shape(logits: &CubeTensor, axis: usize) -> (cubecl::CubeCount, CubeDim) {
@@ -185,6 +185,37 @@ mod op {
             )
         }
 
+        /// `P`, or `∂L` where `grad` (`∂P`) is given: one kernel.
+        fn launch(
+            logits: CubeTensor,
+            codes: CubeTensor,
+            grad: Option<CubeTensor>,
+            axis: usize,
+            temperature: f64,
+        ) -> CubeTensor {
+            let logits = into_contiguous(logits);
+            let codes = into_contiguous(codes);
+            let backward = grad.is_some();
+            // The forward reads no gradient: the logits stand in.
+            let grad = grad.map_or_else(|| logits.clone(), into_contiguous);
+            let output = empty(&logits, logits.meta.shape().clone());
+            let (cubes, dim) = launch_shape(&logits, axis);
+            softmax_kernel::launch(
+                &logits.client,
+                cubes,
+                dim,
+                logits.clone().into_tensor_arg(),
+                codes.into_tensor_arg(),
+                grad.into_tensor_arg(),
+                output.clone().into_tensor_arg(),
+                axis,
+                kernel_constant(temperature),
+                backward,
+                dtype_to_storage_type(logits.dtype),
+            );
+            output
+        }
+
         impl MaskedSoftmaxBackend for Cube {
             fn masked_softmax(
                 logits: CubeTensor,
@@ -192,22 +223,7 @@ mod op {
                 axis: usize,
                 temperature: f64,
             ) -> CubeTensor {
-                let logits = into_contiguous(logits);
-                let codes = into_contiguous(codes);
-                let output = empty(&logits, logits.meta.shape().clone());
-                let (cubes, dim) = launch_shape(&logits, axis);
-                forward_kernel::launch(
-                    &logits.client,
-                    cubes,
-                    dim,
-                    logits.clone().into_tensor_arg(),
-                    codes.into_tensor_arg(),
-                    output.clone().into_tensor_arg(),
-                    axis,
-                    kernel_constant(temperature),
-                    dtype_to_storage_type(logits.dtype),
-                );
-                output
+                launch(logits, codes, None, axis, temperature)
             }
 
             fn masked_softmax_backward(
@@ -217,24 +233,7 @@ mod op {
                 axis: usize,
                 temperature: f64,
             ) -> CubeTensor {
-                let logits = into_contiguous(logits);
-                let codes = into_contiguous(codes);
-                let grad = into_contiguous(grad);
-                let output = empty(&logits, logits.meta.shape().clone());
-                let (cubes, dim) = launch_shape(&logits, axis);
-                backward_kernel::launch(
-                    &logits.client,
-                    cubes,
-                    dim,
-                    logits.clone().into_tensor_arg(),
-                    codes.into_tensor_arg(),
-                    grad.into_tensor_arg(),
-                    output.clone().into_tensor_arg(),
-                    axis,
-                    kernel_constant(temperature),
-                    dtype_to_storage_type(logits.dtype),
-                );
-                output
+                launch(logits, codes, Some(grad), axis, temperature)
             }
         }
 
@@ -285,56 +284,17 @@ mod op {
                 total
             }
 
+            /// Forward (`P`) or, with `backward`, `∂L` given `grad = ∂P`; one unit per line.
             #[cube(launch)]
-            pub(super) fn forward_kernel<E: Float>(
-                logits: &Tensor<E>,
-                codes: &Tensor<E>,
-                output: &mut Tensor<E>,
-                #[comptime] axis: usize,
-                #[comptime] temperature_bits: u32,
-                #[define(E)] _dtype: ElemType,
-            ) {
-                let temperature = E::new(comptime!(f32::from_bits(temperature_bits)));
-                let rows = logits.shape(0);
-                let columns = logits.shape(1);
-                let line = ABSOLUTE_POS;
-                // A column (axis 0) or a row (axis 1).
-                let mut lines = rows;
-                let mut base = line * columns;
-                let mut length = columns;
-                let mut step = 1usize;
-                if comptime!(axis == 0) {
-                    lines = columns;
-                    base = line;
-                    length = rows;
-                    step = columns;
-                }
-                if line >= lines {
-                    terminate!();
-                }
-                let top = line_max::<E>(logits, codes, base, length, step, temperature);
-                let total = line_total::<E>(logits, codes, base, length, step, temperature, top);
-                for k in 0..length {
-                    let at = base + k * step;
-                    let code = codes[at];
-                    let mut value = E::new(0.0);
-                    if code > E::new(1.5) {
-                        value = E::new(1.0);
-                    } else if code > E::new(0.5) {
-                        value = (logits[at] / temperature - top).exp() / total;
-                    }
-                    output[at] = value;
-                }
-            }
-
-            #[cube(launch)]
-            pub(super) fn backward_kernel<E: Float>(
+            #[allow(clippy::too_many_arguments)]
+            pub(super) fn softmax_kernel<E: Float>(
                 logits: &Tensor<E>,
                 codes: &Tensor<E>,
                 grad: &Tensor<E>,
                 output: &mut Tensor<E>,
                 #[comptime] axis: usize,
                 #[comptime] temperature_bits: u32,
+                #[comptime] backward: bool,
                 #[define(E)] _dtype: ElemType,
             ) {
                 let temperature = E::new(comptime!(f32::from_bits(temperature_bits)));
@@ -357,13 +317,15 @@ mod op {
                 }
                 let top = line_max::<E>(logits, codes, base, length, step, temperature);
                 let total = line_total::<E>(logits, codes, base, length, step, temperature, top);
-                // Σ s g over the kept entries not fixed to 1.
+                // Backward: Σ s g over the kept entries not fixed to 1.
                 let mut dot = E::new(0.0);
-                for k in 0..length {
-                    let at = base + k * step;
-                    let code = codes[at];
-                    if code > E::new(0.5) && code < E::new(1.5) {
-                        dot += (logits[at] / temperature - top).exp() / total * grad[at];
+                if comptime!(backward) {
+                    for k in 0..length {
+                        let at = base + k * step;
+                        let code = codes[at];
+                        if code > E::new(0.5) && code < E::new(1.5) {
+                            dot += (logits[at] / temperature - top).exp() / total * grad[at];
+                        }
                     }
                 }
                 for k in 0..length {
@@ -372,11 +334,17 @@ mod op {
                     let mut value = E::new(0.0);
                     if code > E::new(0.5) {
                         let share = (logits[at] / temperature - top).exp() / total;
-                        let mut upstream = E::new(0.0);
-                        if code < E::new(1.5) {
-                            upstream = grad[at];
+                        if comptime!(backward) {
+                            let mut upstream = E::new(0.0);
+                            if code < E::new(1.5) {
+                                upstream = grad[at];
+                            }
+                            value = share * (upstream - dot) / temperature;
+                        } else if code > E::new(1.5) {
+                            value = E::new(1.0);
+                        } else {
+                            value = share;
                         }
-                        value = share * (upstream - dot) / temperature;
                     }
                     output[at] = value;
                 }

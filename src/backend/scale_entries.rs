@@ -35,7 +35,7 @@ use burn_cubecl::tensor::CubeTensor;
 use cubecl::{CubeCount, CubeDim};
 
 use super::autodiff::{constant, tracked_op};
-use super::cube_launch::{column_sums, empty, grid_stride};
+use super::cube_launch::{column_sums, empty, grid_stride, placeholder_spec};
 
 /// Bytes of one entry's row in the table: a multiple of every CubeCL runtime's buffer offset
 /// alignment (256 on wgpu, 512 on CUDA).
@@ -247,11 +247,6 @@ pub(crate) struct ChainWanted {
     values: bool,
     hand_over: bool,
     stream: bool,
-}
-
-/// The spec of a `[1]` placeholder of `like`'s float type.
-fn placeholder_spec(like: &TensorSpec) -> TensorSpec {
-    TensorSpec::new(Shape::new([1]), like.dtype)
 }
 
 /// The chained scaled streams (see [`ScaleChain`]).

@@ -56,6 +56,11 @@ pub(crate) use stream_mix::UnitsGradient;
 mod units;
 pub(crate) use units::{LayerOps, MatrixRows, RowScale, UnitOps};
 
+/// Bytes that rows of the crate's packed tables are a multiple of: a multiple of every CubeCL
+/// runtime's buffer offset alignment (256 on wgpu, 512 on CUDA), so that a row is a view.
+#[cfg(any(feature = "flex", feature = "cube-kernels"))]
+pub(crate) const ALIGNED_BYTES: usize = 512;
+
 /// An `f64` setting (ε, a scale) as the bits of an `f32`: how the crate's CubeCL kernels take
 /// it, as a compile-time constant (a kernel is compiled once per value; a model has one or two
 /// of each).

@@ -40,3 +40,17 @@ pub(super) fn constant<B: Backend, C: CheckpointStrategy>(
 ) -> FloatTensor<Autodiff<B, C>> {
     <Autodiff<B, C> as AutodiffBackend>::from_inner(tensor)
 }
+
+/// `tensor` in `dtype`: a cast kernel only where the float types differ (a gradient computed in
+/// the streams' type, for parameters kept in another).
+pub(super) fn cast_to<B: Backend>(
+    tensor: FloatTensor<B>,
+    dtype: burn::tensor::DType,
+) -> FloatTensor<B> {
+    use burn::backend::TensorMetadata;
+    if tensor.dtype() == dtype {
+        tensor
+    } else {
+        B::float_cast(tensor, dtype.into())
+    }
+}

@@ -2,8 +2,10 @@
 //! of per-unit partial results.
 
 use burn::backend::cubecl::dtype_to_storage_type;
+use burn::backend::ops::FloatTensorOps;
 use burn::tensor::Shape;
 use burn_cubecl::CubeBackend;
+use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::{CubeCount, CubeDim, calculate_cube_count_elemwise};
@@ -75,6 +77,28 @@ pub(crate) fn placeholder_spec(
     like: &burn::backend::fusion::custom::TensorSpec,
 ) -> burn::backend::fusion::custom::TensorSpec {
     burn::backend::fusion::custom::TensorSpec::new(Shape::new([1]), like.dtype)
+}
+
+/// The first `length` elements of row `row` of the contiguous `table [rows, W]`, as `[length]`:
+/// a view where the row's byte offset suits the runtime's alignment (the callers make rows a
+/// multiple of [`ALIGNED_BYTES`](crate::backend::ALIGNED_BYTES)), else a copy (one small
+/// kernel).
+pub(crate) fn row_prefix(table: CubeTensor, row: usize, length: usize) -> CubeTensor {
+    let table = into_contiguous(table);
+    let width = table.meta.shape()[1];
+    let offset = (row * width * table.dtype.size()) as u64;
+    if offset.is_multiple_of(table.client.properties().memory.alignment) {
+        let handle = table.handle.clone().offset_start(offset);
+        return CubeTensor::new_contiguous(
+            table.client.clone(),
+            table.device.clone(),
+            Shape::new([length]),
+            handle,
+            table.dtype,
+        );
+    }
+    let part = burn_cubecl::kernel::slice(table, &[row..row + 1, 0..length]);
+    Cube::float_reshape(part, Shape::new([length]))
 }
 
 /// The CubeCL backend every runtime shares.

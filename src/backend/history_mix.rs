@@ -50,7 +50,6 @@
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use burn::backend::TensorMetadata;
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::autodiff::grads::Gradients;
@@ -60,7 +59,8 @@ use burn::backend::tensor::FloatTensor;
 use burn::backend::{Backend, Dispatch, backend_extension};
 use burn::tensor::{DType, Tensor};
 
-use super::autodiff::constant;
+use super::ALIGNED_BYTES;
+use super::autodiff::{cast_to, constant};
 #[cfg(feature = "cube-kernels")]
 use super::cube_launch::placeholder_spec;
 
@@ -119,8 +119,8 @@ struct Segment {
 
 impl Records {
     /// `(segments, row)` of the packed weights: `W_g` in row `g`, every row `row` elements of
-    /// `dtype`, a multiple of 512 bytes (the offset alignment of every CubeCL runtime), so that
-    /// each `∂W_g` is a view of the packed gradient.
+    /// `dtype`, a multiple of [`ALIGNED_BYTES`], so that each `∂W_g` is a view of the packed
+    /// gradient.
     fn packed_layout(&self, dtype: DType) -> [usize; 2] {
         let size = dtype.size();
         let longest = self.segments.iter().map(|segment| segment.length).max();
@@ -134,9 +134,6 @@ impl Records {
         self.mixes[mix].segment * row + position
     }
 }
-
-/// Bytes each packed weight row is a multiple of.
-const ALIGNED_BYTES: usize = 512;
 
 impl MixPlan {
     /// The earlier states of the mix that no backward of their own covers (their mix is not
@@ -347,12 +344,7 @@ impl<B: HistoryMixBackend> Backward<B, 2> for Mix {
                 .collect();
             for (segment, node, dtype) in segments {
                 let grad = B::history_weight_segment(history.clone(), packed.clone(), segment);
-                let grad = if grad.dtype() == dtype {
-                    grad
-                } else {
-                    B::float_cast(grad, dtype.into())
-                };
-                grads.register::<B>(node, grad);
+                grads.register::<B>(node, cast_to::<B>(grad, dtype));
             }
         }
         if let Some(newest) = newest_parent {

@@ -34,12 +34,9 @@ use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::{CubeCount, CubeDim};
 
-use super::autodiff::{constant, tracked_op};
-use super::cube_launch::{column_sums, empty, grid_stride, placeholder_spec};
-
-/// Bytes of one entry's row in the table: a multiple of every CubeCL runtime's buffer offset
-/// alignment (256 on wgpu, 512 on CUDA).
-pub(crate) const ENTRY_BYTES: usize = 512;
+use super::ALIGNED_BYTES;
+use super::autodiff::{cast_to, constant, tracked_op};
+use super::cube_launch::{column_sums, empty, grid_stride, placeholder_spec, row_prefix};
 
 /// The scalar views (see the [module docs](self)).
 #[backend_extension(
@@ -59,10 +56,10 @@ pub(crate) trait ScaleEntryBackend: Backend {
 }
 
 /// The table of `values` (any shape, row-major): `[E, W]`, `W` elements of
-/// [`ENTRY_BYTES`] per entry. One kernel; a constant to the graph.
+/// [`ALIGNED_BYTES`] per entry. One kernel; a constant to the graph.
 pub(crate) fn table<const D: usize>(values: &Tensor<D>) -> Tensor<2> {
     let count = values.shape().num_elements();
-    let width = (ENTRY_BYTES / values.dtype().size()).max(1);
+    let width = (ALIGNED_BYTES / values.dtype().size()).max(1);
     values
         .clone()
         .detach()
@@ -86,23 +83,7 @@ pub(crate) fn entry<const D: usize>(
 
 impl ScaleEntryBackend for CubeBackend {
     fn scale_entry(_values: CubeTensor, table: CubeTensor, index: usize) -> CubeTensor {
-        let table = into_contiguous(table);
-        let width = table.meta.shape()[1];
-        let offset = (index * width * table.dtype.size()) as u64;
-        if offset.is_multiple_of(table.client.properties().memory.alignment) {
-            let handle = table.handle.clone().offset_start(offset);
-            return CubeTensor::new_contiguous(
-                table.client.clone(),
-                table.device.clone(),
-                Shape::new([1]),
-                handle,
-                table.dtype,
-            );
-        }
-        // A runtime with a coarser alignment: a copy of the entry (one small kernel), `[1]` as
-        // the op's metadata says.
-        let entry = burn_cubecl::kernel::slice(table, &[index..index + 1, 0..1]);
-        CubeBackend::float_reshape(entry, Shape::new([1]))
+        row_prefix(table, index, 1)
     }
 }
 
@@ -398,12 +379,7 @@ impl<B: ScaleChainBackend> Backward<B, 2> for ChainedScale {
                 let records = chain.lock();
                 (records.node.expect("set above"), records.dtype)
             };
-            let grad_values = if grad_values.dtype() == dtype {
-                grad_values
-            } else {
-                B::float_cast(grad_values, dtype.into())
-            };
-            grads.register::<B>(node, grad_values);
+            grads.register::<B>(node, cast_to::<B>(grad_values, dtype));
         }
         if let Some(parent) = stream_parent {
             grads.register::<B>(parent.id, grad_stream);

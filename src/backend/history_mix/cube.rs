@@ -9,7 +9,8 @@ use burn_cubecl::tensor::CubeTensor;
 use cubecl::{CubeCount, CubeDim, calculate_cube_count_elemwise};
 
 use super::{History, HistoryMixBackend, Records, Wanted};
-use crate::backend::cube_launch::{Cube, column_sums, empty, grid_stride};
+use crate::backend::autodiff::cast_to;
+use crate::backend::cube_launch::{Cube, column_sums, empty, grid_stride, row_prefix};
 use kernels::{backward_kernel, forward_kernel};
 
 /// What the CubeCL ops keep of a history: buffers of its capacity, allocated by its first mix.
@@ -42,12 +43,7 @@ fn upload(like: &CubeTensor, values: &[u32]) -> CubeTensor {
 
 /// `weights` in `dtype` (the states'), where a model keeps its parameters in another.
 fn weights_as(weights: CubeTensor, dtype: DType) -> CubeTensor {
-    let weights = into_contiguous(weights);
-    if weights.dtype == dtype {
-        weights
-    } else {
-        Cube::float_cast(weights, dtype.into())
-    }
+    cast_to::<Cube>(into_contiguous(weights), dtype)
 }
 
 fn forward(
@@ -225,21 +221,7 @@ impl HistoryMixBackend for Cube {
 
     fn history_weight_segment(history: History, packed: CubeTensor, segment: usize) -> CubeTensor {
         let length = history.lock().segments[segment].length;
-        let row = packed.meta.shape()[1];
-        let offset = (segment * row * packed.dtype.size()) as u64;
-        if offset.is_multiple_of(packed.client.properties().memory.alignment) {
-            let handle = packed.handle.clone().offset_start(offset);
-            return CubeTensor::new_contiguous(
-                packed.client.clone(),
-                packed.device.clone(),
-                Shape::new([length]),
-                handle,
-                packed.dtype,
-            );
-        }
-        // A runtime with a coarser alignment: a copy (one small kernel).
-        let part = burn_cubecl::kernel::slice(packed, &[segment..segment + 1, 0..length]);
-        Cube::float_reshape(part, Shape::new([length]))
+        row_prefix(packed, segment, length)
     }
 }
 

@@ -114,13 +114,11 @@ fn forward<E: Scalar>(
         .for_each(|(task, out)| weighted_sum(zeroed(out), &terms, task * ELEMENTS_PER_TASK));
     // SAFETY: the tasks' chunks partition `out`, and each was zeroed.
     let out = unsafe { written(out) };
-    storage.weight_grads = (records.segments.iter())
-        .enumerate()
-        .map(|(g, segment)| match storage.weight_grads.get_mut(g) {
-            Some(sums) => std::mem::take(sums),
-            None => vec![0.0; segment.length],
-        })
-        .collect();
+    if storage.weight_grads.is_empty() {
+        storage.weight_grads = (records.segments.iter())
+            .map(|segment| vec![0.0; segment.length])
+            .collect();
+    }
     storage.weights.resize_with(mix + 1, Vec::new);
     storage.weights[mix] = mix_weights;
     flex_tensor(out, shape)

@@ -24,6 +24,10 @@ macro_rules! register_tracked {
 #[cfg(any(feature = "flex", feature = "tch", feature = "cube-kernels"))]
 mod autodiff;
 #[cfg(feature = "cube-kernels")]
+mod connection_tables;
+#[cfg(feature = "cube-kernels")]
+pub(crate) use connection_tables::{Gated, Normalised};
+#[cfg(feature = "cube-kernels")]
 mod cube_launch;
 #[cfg(feature = "flex")]
 pub(crate) mod fft_conv;
@@ -31,6 +35,8 @@ pub(crate) mod fft_conv;
 mod flex_kernels;
 #[cfg(feature = "flex")]
 pub(crate) mod gelu;
+#[cfg(feature = "cube-kernels")]
+mod gradient_slots;
 #[cfg(any(feature = "flex", feature = "cube-kernels"))]
 mod history_mix;
 #[cfg(any(feature = "flex", feature = "tch"))]
@@ -54,7 +60,7 @@ mod unit_kernels;
 #[cfg(feature = "flex")]
 pub(crate) use stream_mix::UnitsGradient;
 mod units;
-pub(crate) use units::{LayerOps, MatrixRows, RowScale, UnitOps};
+pub(crate) use units::{Gains, LayerOps, MatrixRows, RowScale, UnitOps};
 
 /// Bytes that rows of the crate's packed tables are a multiple of: a multiple of every CubeCL
 /// runtime's buffer offset alignment (256 on wgpu, 512 on CUDA), so that a row is a view.

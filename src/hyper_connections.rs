@@ -185,12 +185,7 @@ impl HcLayer {
             ],
             1,
         ) * gain;
-        let scale = RowScale {
-            numerator: (width as f64).sqrt(),
-            offset: 0.0,
-            floor: 1e-12,
-        };
-        let mut projected = ops.normed_projection(rows, weights, scale);
+        let mut projected = ops.normed_projection(rows, weights, norm_scale(width));
         if tanh {
             projected = projected.tanh();
         }
@@ -208,6 +203,15 @@ impl HcLayer {
     }
 }
 
+/// The RMSNorm's row scale `√w / max(‖x‖, 1e-12)`.
+fn norm_scale(width: usize) -> RowScale {
+    RowScale {
+        numerator: (width as f64).sqrt(),
+        offset: 0.0,
+        floor: 1e-12,
+    }
+}
+
 /// The mixing of one [`HcLayer`], with the connectivity's tanh switch.
 #[doc(hidden)]
 pub struct HcMixing<'a> {
@@ -217,6 +221,29 @@ pub struct HcMixing<'a> {
 
 impl MixingLayer for HcMixing<'_> {
     fn mixing(&self, units: &Tensor<3>, ops: &LayerOps) -> Mixing {
+        // On CubeCL devices: `[A | B]ᵀ` as one table, made by one kernel.
+        #[cfg(feature = "cube-kernels")]
+        if let Some(dynamic) = &self.layer.dynamic {
+            let (_, views) = self.layer.units_and_views();
+            let table = ops.gated_table(|| {
+                let [tokens, count, width] = units.dims();
+                crate::backend::Gated {
+                    rows: units.clone().reshape([tokens * count, width]),
+                    mixing_weights: dynamic.dynamic_alpha_fn.val(),
+                    depth_weights: dynamic.dynamic_beta_fn.val(),
+                    gain: dynamic.norm_gamma.val(),
+                    mixing_scale: dynamic.dynamic_alpha_scale.val(),
+                    depth_scale: dynamic.dynamic_beta_scale.val(),
+                    mixing_static: self.layer.static_alpha.val(),
+                    depth_static: self.layer.static_beta.val(),
+                    tanh: self.tanh,
+                    row_scale: norm_scale(width),
+                }
+            });
+            if let Some((table, slot)) = table {
+                return Mixing::table(table, views, slot);
+            }
+        }
         let (alpha, beta) = self.layer.connections(units, self.tanh, ops);
         Mixing::stacked(alpha.swap_dims(1, 2), beta)
     }
@@ -437,6 +464,55 @@ mod tests {
         match hc.reduce {
             StreamReduce::Sum => total,
             StreamReduce::Mean => total / n as f64,
+        }
+    }
+
+    /// The connection-table kernel (one kernel forward, three backward) against the composed
+    /// connections on wgpu, values and every gradient: with and without `tanh`, one and several
+    /// streams, frac-connections, widths below and above the kernel's cube.
+    #[cfg(feature = "wgpu")]
+    #[test]
+    fn connection_table_kernels_match_the_composed_connections() {
+        use crate::test_util::{Perturbed, assert_table_kernels_match_composed, gradient_data};
+        let device = crate::device::device("wgpu")
+            .expect("compiled in")
+            .autodiff();
+        for (streams, fractions, tanh, tokens, width) in [
+            (4, 1, true, 37, 24),
+            (4, 1, false, 5, 300),
+            (2, 2, true, 9, 16),
+            (1, 1, true, 3, 8),
+        ] {
+            let hc = HyperConnectionsConfig::new(width)
+                .with_streams(streams)
+                .with_fractions(fractions)
+                .with_tanh(tanh)
+                .init(1, &device)
+                .expect("valid config")
+                .map(&mut Perturbed(0.5));
+            let layer = &hc.layers[0];
+            let dynamic = layer.dynamic.as_ref().expect("dynamic by default");
+            let units = Tensor::random(
+                [tokens, streams * fractions, width / fractions],
+                Distribution::Normal(0.0, 1.0),
+                &device,
+            );
+            assert_table_kernels_match_composed(
+                &units,
+                |units, ops| hc.mixing(0).expect("one block").mixing(units, ops),
+                |grads| {
+                    vec![
+                        gradient_data(&layer.static_alpha, grads),
+                        gradient_data(&layer.static_beta, grads),
+                        gradient_data(&dynamic.dynamic_alpha_fn, grads),
+                        gradient_data(&dynamic.dynamic_alpha_scale, grads),
+                        gradient_data(&dynamic.dynamic_beta_fn, grads),
+                        gradient_data(&dynamic.dynamic_beta_scale, grads),
+                        gradient_data(&dynamic.norm_gamma, grads),
+                    ]
+                },
+                &format!("n={streams} m={fractions} tanh={tanh} T={tokens} d={width}"),
+            );
         }
     }
 

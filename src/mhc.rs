@@ -37,7 +37,7 @@ use burn::prelude::*;
 use burn::tensor::Distribution;
 use burn::tensor::activation::{sigmoid, softmax};
 
-use crate::backend::{LayerOps, MatrixRows, RowScale};
+use crate::backend::{Gains, LayerOps, MatrixRows, RowScale};
 use crate::connectivity::ConnectivityConfig;
 use crate::error::{Error, Result, check_depth, check_non_negative, check_size};
 use crate::multi_stream::{
@@ -233,13 +233,7 @@ impl MhcLayer {
     ) -> MhcConnections {
         let [tokens, n, width] = streams.dims();
         let flat = streams.clone().reshape([tokens, n * width]);
-        // 1 / (‖x‖/√N + ε) = √N / (‖x‖ + ε√N).
-        let root = ((n * width) as f64).sqrt();
-        let scale_rows = RowScale {
-            numerator: root,
-            offset: MHC_EPS * root,
-            floor: 0.0,
-        };
+        let scale_rows = norm_scale(n * width);
         let scale = Tensor::cat(
             vec![
                 self.alpha_pre.val().expand([n]),
@@ -261,12 +255,23 @@ impl MhcLayer {
     }
 }
 
+/// `1 / (‖x‖/√N + ε) = √N / (‖x‖ + ε√N)` for rows of `N` entries.
+fn norm_scale(entries: usize) -> RowScale {
+    let root = (entries as f64).sqrt();
+    RowScale {
+        numerator: root,
+        offset: MHC_EPS * root,
+        floor: 0.0,
+    }
+}
+
 /// `H_pre` as the view row, `H_resᵀ` as the residual rows, `H_post` as `β`.
 fn mixing(pre: Tensor<2>, post: Tensor<2>, res: Tensor<3>, tokens: usize, n: usize) -> Mixing {
     Mixing {
         input: MatrixRows::all(pre.reshape([tokens, 1, n])),
         residual: MatrixRows::all(res.swap_dims(1, 2)),
-        beta: post.reshape([tokens, n, 1]),
+        beta: Gains::Own(post.reshape([tokens, n, 1])),
+        slot: 0,
     }
 }
 
@@ -279,6 +284,33 @@ pub struct MhcMixing<'a> {
 
 impl MixingLayer for MhcMixing<'_> {
     fn mixing(&self, units: &Tensor<3>, ops: &LayerOps) -> Mixing {
+        // On CubeCL devices: `[H_pre; H_resᵀ; H_post]` as one table, made by one kernel.
+        #[cfg(feature = "cube-kernels")]
+        {
+            let layer = self.layer;
+            let table = ops.normalised_table(|| {
+                let [tokens, n, width] = units.dims();
+                crate::backend::Normalised {
+                    rows: units.clone().reshape([tokens, n * width]),
+                    weights: layer.phi.val(),
+                    scales: [
+                        layer.alpha_pre.val(),
+                        layer.alpha_post.val(),
+                        layer.alpha_res.val(),
+                    ],
+                    bias: layer.bias.val(),
+                    streams: n,
+                    input_offset: MHC_EPS,
+                    depth_factor: 2.0,
+                    sinkhorn_iterations: self.iterations,
+                    sinkhorn_epsilon: MHC_EPS,
+                    row_scale: norm_scale(n * width),
+                }
+            });
+            if let Some((table, slot)) = table {
+                return Mixing::table(table, 1, slot);
+            }
+        }
         let [tokens, n, _] = units.dims();
         let MhcConnections { pre, post, res } =
             self.layer.connections_with(units, self.iterations, ops);
@@ -418,6 +450,48 @@ mod tests {
         OnDevice, WIDTH, assert_checkpointing_keeps_gradients, assert_close, blocks, gradient,
         input, input_gradient, residual_loop,
     };
+
+    /// The connection-table kernel (one kernel forward with Sinkhorn-Knopp inside, three
+    /// backward) against the composed connections on wgpu, values and every gradient: several
+    /// stream counts, iteration counts and widths.
+    #[cfg(feature = "wgpu")]
+    #[test]
+    fn connection_table_kernels_match_the_composed_connections() {
+        use crate::test_util::{Perturbed, assert_table_kernels_match_composed, gradient_data};
+        let device = crate::device::device("wgpu")
+            .expect("compiled in")
+            .autodiff();
+        for (streams, iterations, tokens, width) in
+            [(4, 20, 37, 24), (2, 3, 5, 300), (1, 1, 9, 8), (8, 7, 4, 16)]
+        {
+            let mhc = MhcConfig::new(width)
+                .with_streams(streams)
+                .with_sinkhorn_iterations(iterations)
+                .init(1, &device)
+                .expect("valid config")
+                .map(&mut Perturbed(0.3));
+            let layer = &mhc.layers[0];
+            let units = Tensor::random(
+                [tokens, streams, width],
+                Distribution::Normal(0.0, 1.0),
+                &device,
+            );
+            assert_table_kernels_match_composed(
+                &units,
+                |units, ops| mhc.mixing(0).expect("one block").mixing(units, ops),
+                |grads| {
+                    vec![
+                        gradient_data(&layer.phi, grads),
+                        gradient_data(&layer.alpha_pre, grads),
+                        gradient_data(&layer.alpha_post, grads),
+                        gradient_data(&layer.alpha_res, grads),
+                        gradient_data(&layer.bias, grads),
+                    ]
+                },
+                &format!("n={streams} T={iterations} tokens={tokens} C={width}"),
+            );
+        }
+    }
 
     /// The fused op against the composed operations on the same device, forward and gradient,
     /// for several sizes, iteration counts and logit scales.

@@ -16,14 +16,15 @@
 //! `d/m` they are frac-connections' fractions, `n` streams of them (`U = n·m`, unit `k·m + f` is
 //! fraction `f` of stream `k`). The mixing works on the whole `[tokens, U, w]` state at once,
 //! whatever the rank of the streams (tensors of any rank are flattened to tokens × width): one
-//! fused op with its own backward per mixing on Flex, `U` broadcast multiply-adds elsewhere (one
-//! fused kernel on CubeCL), chosen once per forward pass. The residual mixing waits for the block's output, so that
+//! fused op with its own backward per mixing on Flex, one kernel each way on CubeCL (where a
+//! layer with token-dependent connections makes them as one table `[A_inᵀ; A_resᵀ; βᵀ]` in one
+//! kernel), `U` broadcast multiply-adds elsewhere, chosen once per forward pass. The residual mixing waits for the block's output, so that
 //! `A_resᵀ S + β h` is made in one pass.
 
 use burn::module::ModuleDisplay;
 use burn::prelude::*;
 
-use crate::backend::{LayerOps, MatrixRows, UnitOps};
+use crate::backend::{Gains, LayerOps, MatrixRows, UnitOps};
 use crate::connectivity::{Connectivity, StreamConnectivity};
 use crate::error::{Error, Result};
 use crate::matrix::ConnectivityMatrix;
@@ -44,8 +45,11 @@ pub struct Mixing {
     pub input: MatrixRows,
     /// `A_resᵀ`, `U` rows of `[tokens | 1, ·, U]` matrices: they make the next units.
     pub residual: MatrixRows,
-    /// `β`, `[tokens | 1, U, 1]`.
-    pub beta: Tensor<3>,
+    /// `β`: `[tokens | 1, U, 1]`, or a row of the residual rows' matrices.
+    pub beta: Gains,
+    /// The gradient slot the table's mixes share (0: none; see the backend's
+    /// `gradient_slots`).
+    pub slot: u64,
 }
 
 impl Mixing {
@@ -64,7 +68,29 @@ impl Mixing {
                 first: views,
                 count: units,
             },
-            beta,
+            beta: Gains::Own(beta),
+            slot: 0,
+        }
+    }
+
+    /// From a table `[tokens, V + U + 1, U]`: `A_inᵀ`, `A_resᵀ` and `βᵀ` as its rows, read in
+    /// place; `slot` as made with the table.
+    pub fn table(table: Tensor<3>, views: usize, slot: u64) -> Self {
+        let [_, rows, units] = table.dims();
+        debug_assert_eq!(rows, views + units + 1, "a table of V + U + 1 rows");
+        Self {
+            input: MatrixRows {
+                matrices: table.clone(),
+                first: 0,
+                count: views,
+            },
+            residual: MatrixRows {
+                matrices: table,
+                first: views,
+                count: units,
+            },
+            beta: Gains::Row(views + units),
+            slot,
         }
     }
 }
@@ -127,7 +153,8 @@ struct Prepared<const D: usize> {
     input: Tensor<D>,
     /// `A_resᵀ` (`[tokens | 1, U, U]`), applied when the block's output arrives.
     residual: MatrixRows,
-    beta: Tensor<3>,
+    beta: Gains,
+    slot: u64,
     /// The layer's ops (their gradient slot is shared by its projection and both mixes).
     ops: LayerOps,
 }
@@ -190,12 +217,14 @@ fn prepare<const D: usize>(
         input,
         residual,
         beta,
+        slot,
     } = layer.mixing(units, &ops);
-    let input = ops.mix(input, units.clone(), None);
+    let input = ops.mix(input, units.clone(), None, slot);
     Prepared {
         input: input.reshape(shape),
         residual,
         beta,
+        slot,
         ops,
     }
 }
@@ -221,12 +250,13 @@ pub(crate) fn step<const D: usize>(
     let Prepared {
         residual,
         beta,
+        slot,
         ops: layer_ops,
         ..
     } = prepared.expect("blocks are stepped once each, in order");
     let [tokens, _, unit_width] = units.dims();
     let branch = branch.reshape([tokens, layout.fractions, unit_width]);
-    let units = layer_ops.mix(residual, units, Some((beta, branch)));
+    let units = layer_ops.mix(residual, units, Some((beta, branch)), slot);
     let next = next.map(|layer| prepare(&units, shape, ops, layer));
     MultiStreamState {
         units,
@@ -287,10 +317,11 @@ impl StaticMixing {
                 .map(|u| (0..count).map(|r| values[r * units + u]).collect())
                 .collect()
         };
+        let beta = mixing.beta.tensor(&mixing.residual.matrices);
         Self {
             input: columns(mixing.input),
             residual: columns(mixing.residual),
-            beta: mixing.beta.into_data().iter::<f64>().collect(),
+            beta: beta.into_data().iter::<f64>().collect(),
         }
     }
 }

@@ -102,3 +102,95 @@ pub fn input_gradient(x: &Tensor<3>, grads: &burn::tensor::Gradients) -> Vec<f64
         .iter()
         .collect()
 }
+
+/// Every float parameter plus Gaussian noise of standard deviation `std`, requiring a gradient:
+/// a layer away from its initialisation (where zero weights hide terms from the gradients).
+#[cfg(feature = "wgpu")]
+pub struct Perturbed(pub f64);
+
+#[cfg(feature = "wgpu")]
+impl burn::module::ModuleMapper for Perturbed {
+    fn map_float<const D: usize>(
+        &mut self,
+        param: burn::module::Param<Tensor<D>>,
+    ) -> burn::module::Param<Tensor<D>> {
+        let std = self.0;
+        param.map(|tensor| {
+            let noise = Tensor::random(
+                tensor.shape(),
+                Distribution::Normal(0.0, std),
+                &tensor.device(),
+            );
+            (tensor.detach() + noise).detach().require_grad()
+        })
+    }
+}
+
+/// A layer's connections made through the CubeCL connection-table kernels against the composed
+/// tensor ops, on wgpu: the view rows, residual rows and `β` that `mixing` returns for random
+/// units, and the gradients of the units and of every parameter (`parameters`, read from the
+/// gradients) for the loss `Σ_k ⟨probe_k, part_k⟩`.
+#[cfg(feature = "wgpu")]
+pub fn assert_table_kernels_match_composed(
+    units: &Tensor<3>,
+    mixing: impl Fn(&Tensor<3>, &crate::backend::LayerOps) -> crate::multi_stream::Mixing,
+    parameters: impl Fn(&burn::tensor::Gradients) -> Vec<TensorData>,
+    case: &str,
+) {
+    use crate::backend::{LayerOps, UnitOps};
+    let run = |ops: LayerOps| -> Vec<TensorData> {
+        let units = units.clone().detach().require_grad();
+        let crate::multi_stream::Mixing {
+            input,
+            residual,
+            beta,
+            ..
+        } = mixing(&units, &ops);
+        let beta = beta.tensor(&residual.matrices);
+        let parts = [input.taken(), residual.taken(), beta];
+        let loss = parts
+            .iter()
+            .enumerate()
+            .map(|(k, part)| {
+                // Fixed probes: a smooth function of the position, so both runs see the same.
+                let count = part.shape().num_elements();
+                let probe: Vec<f32> = (0..count)
+                    .map(|i| ((i * 7 + k * 3) as f32 * 0.37).sin())
+                    .collect();
+                let probe = Tensor::<1>::from_data(TensorData::new(probe, [count]), &part.device())
+                    .reshape(part.dims());
+                (part.clone() * probe).sum()
+            })
+            .reduce(|a, b| a + b)
+            .expect("three parts");
+        let grads = loss.backward();
+        let mut results: Vec<TensorData> = parts.into_iter().map(Tensor::into_data).collect();
+        results.push(units.grad(&grads).expect("the units are used").into_data());
+        results.extend(parameters(&grads));
+        results
+    };
+    let kernels = run(UnitOps::Kernels.layer());
+    let composed = run(LayerOps::composed());
+    assert_eq!(kernels.len(), composed.len());
+    for (index, (kernel, composed)) in kernels.iter().zip(&composed).enumerate() {
+        let largest = composed
+            .iter::<f32>()
+            .fold(1.0f32, |largest, value| largest.max(value.abs()));
+        assert_eq!(kernel.shape(), composed.shape(), "{case}: result {index}");
+        let tolerance = Tolerance::absolute(1e-4 * largest).set_relative(1e-3);
+        kernel.assert_approx_eq::<f32>(composed, tolerance);
+    }
+}
+
+/// The gradient of `param` in `grads` as data (panics if it has none).
+#[cfg(feature = "wgpu")]
+pub fn gradient_data<const D: usize>(
+    param: &burn::module::Param<Tensor<D>>,
+    grads: &burn::tensor::Gradients,
+) -> TensorData {
+    param
+        .val()
+        .grad(grads)
+        .unwrap_or_else(|| panic!("the parameter of shape {:?} has a gradient", param.dims()))
+        .into_data()
+}

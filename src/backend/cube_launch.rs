@@ -125,6 +125,53 @@ pub(crate) mod kernels {
         }
     }
 
+    /// An `f32` constant passed as its bits.
+    #[cube]
+    pub(crate) fn constant<E: Float>(#[comptime] bits: u32) -> E {
+        E::new(comptime!(f32::from_bits(bits)))
+    }
+
+    /// `s(n) = a / max(n + b, f)`, the constants as the bits of `f32`s (with `f = 0` the floor
+    /// is left out: `a / 0` would fold into an infinite constant that WGSL cannot write).
+    #[cube]
+    pub(crate) fn row_scale<E: Float>(
+        norm: E,
+        #[comptime] numerator_bits: u32,
+        #[comptime] offset_bits: u32,
+        #[comptime] floor_bits: u32,
+    ) -> E {
+        let numerator = constant::<E>(numerator_bits);
+        let denominator = norm + constant::<E>(offset_bits);
+        let mut scale = numerator / denominator;
+        if comptime!(floor_bits != 0) {
+            let floor = constant::<E>(floor_bits);
+            if denominator <= floor {
+                scale = numerator / floor;
+            }
+        }
+        scale
+    }
+
+    /// `s'(n) / n`: 0 where `s` is flat and for a zero row (whose term vanishes).
+    #[cube]
+    pub(crate) fn row_slope<E: Float>(
+        norm: E,
+        scale: E,
+        #[comptime] offset_bits: u32,
+        #[comptime] floor_bits: u32,
+    ) -> E {
+        let denominator = norm + constant::<E>(offset_bits);
+        let mut slope = E::new(0.0);
+        let mut steep = norm > E::new(0.0);
+        if comptime!(floor_bits != 0) {
+            steep = steep && denominator > constant::<E>(floor_bits);
+        }
+        if steep {
+            slope = E::new(0.0) - scale / denominator / norm;
+        }
+        slope
+    }
+
     /// `sums[k] = Σ_c partials[c, k]`; one unit per column.
     #[cube(launch)]
     pub(crate) fn column_sums_kernel<E: Float>(

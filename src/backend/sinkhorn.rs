@@ -30,7 +30,7 @@ use burn::tensor::Tensor;
 use super::autodiff::{constant, tracked_op};
 
 #[cfg(feature = "cube-kernels")]
-mod cube;
+pub(super) mod cube;
 #[cfg(feature = "flex")]
 mod flex;
 

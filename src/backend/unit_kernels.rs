@@ -21,7 +21,12 @@
 //!                                                one kernel, one cube per token
 //! ```
 //!
-//! (plus a sum over tokens for a `W` or `β` shared by every token). Composed from tensor ops,
+//! (plus a sum over tokens for a `W` or `β` shared by every token). Where a layer's connections
+//! are one table `[A_inᵀ; A_resᵀ; βᵀ]` (see [`connection_tables`](super::connection_tables)),
+//! `β` is read from its row of the same matrices and `∂β` written there; the block input's
+//! backward then adds the gradients that the next units' backward left in the layer's gradient
+//! slot (see [`gradient_slots`](super::gradient_slots)) to its own inside its kernel, and leaves
+//! `∂S` for the table's backward, instead of autodiff adding full-size tensors. Composed from tensor ops,
 //! the fusion engine merges the mixing's forward into one kernel but not its backward, whose
 //! `R · U` inner products and `U` accumulations are kernels of their own, nor the projection's
 //! norm, product and scale. A cube's units stride along `w` and sum their partial inner products
@@ -42,7 +47,8 @@ use burn::backend::{Backend, Dispatch, backend_extension};
 use burn::tensor::{Shape, Tensor};
 
 use super::autodiff::{constant, tracked_op};
-use super::{MatrixRows, RowScale};
+use super::gradient_slots::{Part, leave, take};
+use super::{Gains, MatrixRows, RowScale};
 
 mod cube;
 
@@ -91,7 +97,9 @@ pub(crate) trait UnitKernelsBackend: Backend {
 
     /// `out = W S`, `W` the rows `first..first + rows` of `weights [T | 1, R', U]`, `units
     /// [T, U, w]`; `[T, rows, w]`.
-    #[fusion(meta = |_, units, _, rows| TensorSpec::new(
+    /// `slot`: the layer's gradient slot (0: none; see
+    /// [`gradient_slots`](super::gradient_slots)).
+    #[fusion(meta = |_, units, _, rows, _| TensorSpec::new(
         Shape::new([units.shape[0], *rows, units.shape[2]]),
         units.dtype,
     ))]
@@ -100,6 +108,7 @@ pub(crate) trait UnitKernelsBackend: Backend {
         units: FloatTensor<Self>,
         first: usize,
         rows: usize,
+        slot: u64,
     ) -> FloatTensor<Self>;
 
     /// `out = W S + β h`, with `beta [T | 1, rows, 1]` and `branch [T, V, w]` (`V` divides
@@ -117,15 +126,56 @@ pub(crate) trait UnitKernelsBackend: Backend {
         rows: usize,
     ) -> FloatTensor<Self>;
 
+    /// `out = W S + β h` with `β[t, r] = weights[t, beta_row, r]` (row `beta_row` of the same
+    /// matrices) and `branch [T, V, w]`.
+    #[fusion(meta = |_, units, _, _, rows, _, _| TensorSpec::new(
+        Shape::new([units.shape[0], *rows, units.shape[2]]),
+        units.dtype,
+    ))]
+    fn unit_mix_add_inline(
+        weights: FloatTensor<Self>,
+        units: FloatTensor<Self>,
+        branch: FloatTensor<Self>,
+        first: usize,
+        rows: usize,
+        beta_row: usize,
+        slot: u64,
+    ) -> FloatTensor<Self>;
+
+    /// The gradients of `weights` (`β`'s row included), `units` and `branch` of
+    /// [`unit_mix_add_inline`](Self::unit_mix_add_inline).
+    #[fusion(meta = |weights, units, branch, _, _, _, _| (
+        weights.clone(),
+        units.clone(),
+        branch.clone(),
+    ))]
+    #[allow(clippy::type_complexity)]
+    fn unit_mix_add_inline_backward(
+        weights: FloatTensor<Self>,
+        units: FloatTensor<Self>,
+        branch: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        first: usize,
+        rows: usize,
+        beta_row: usize,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>);
+
     /// The gradients of `weights` (all its rows, zero outside those read) and `units` of
     /// [`unit_mix`](Self::unit_mix), given the gradient of the output.
-    #[fusion(meta = |weights, units, _, _, _| (weights.clone(), units.clone()))]
+    /// `previous_weights` and `previous_units` (read where `with_previous_*`) are added to
+    /// them: gradients left by a later op of the layer.
+    #[fusion(meta = |weights, units, _, _, _, _, _, _, _| (weights.clone(), units.clone()))]
+    #[allow(clippy::too_many_arguments)]
     fn unit_mix_backward(
         weights: FloatTensor<Self>,
         units: FloatTensor<Self>,
         grad: FloatTensor<Self>,
+        previous_weights: FloatTensor<Self>,
+        previous_units: FloatTensor<Self>,
         first: usize,
         rows: usize,
+        with_previous_weights: bool,
+        with_previous_units: bool,
     ) -> (FloatTensor<Self>, FloatTensor<Self>);
 
     /// The gradients of `weights`, `units`, `beta` and `branch` of
@@ -166,10 +216,13 @@ pub(crate) fn projection(rows: Tensor<2>, weights: Tensor<2>, scale: RowScale) -
 
 /// `Aᵀ S (+ β h)` through the kernels (shapes as in [`LayerOps::mix`](super::LayerOps::mix)),
 /// the rows of `Aᵀ` read in place.
+/// `slot`: the layer's gradient slot, 0 for none (see [`gradient_slots`](super::gradient_slots);
+/// only with a table's `β`).
 pub(crate) fn mix(
     weights: MatrixRows,
     units: Tensor<3>,
-    addend: Option<(Tensor<3>, Tensor<3>)>,
+    addend: Option<(Gains, Tensor<3>)>,
+    slot: u64,
 ) -> Tensor<3> {
     let MatrixRows {
         matrices,
@@ -182,8 +235,20 @@ pub(crate) fn mix(
             units.into_dispatch(),
             first,
             count,
+            slot,
         ),
-        Some((beta, branch)) => <Dispatch as UnitKernelsBackend>::unit_mix_add(
+        Some((Gains::Row(beta_row), branch)) => {
+            <Dispatch as UnitKernelsBackend>::unit_mix_add_inline(
+                matrices.into_dispatch(),
+                units.into_dispatch(),
+                branch.into_dispatch(),
+                first,
+                count,
+                beta_row,
+                slot,
+            )
+        }
+        Some((Gains::Own(beta), branch)) => <Dispatch as UnitKernelsBackend>::unit_mix_add(
             matrices.into_dispatch(),
             units.into_dispatch(),
             beta.into_dispatch(),
@@ -227,7 +292,7 @@ impl<B: UnitKernelsBackend> Backward<B, 2> for Projection {
 struct Mix;
 
 impl<B: UnitKernelsBackend> Backward<B, 2> for Mix {
-    type State = ([NodeId; 2], [usize; 2]);
+    type State = ([NodeId; 2], [usize; 2], u64);
 
     fn backward(
         self,
@@ -236,10 +301,36 @@ impl<B: UnitKernelsBackend> Backward<B, 2> for Mix {
         checkpointer: &mut Checkpointer,
     ) {
         let grad = grads.consume::<B>(&ops.node);
-        let (nodes, [first, rows]) = ops.state;
+        let (nodes, [first, rows], slot) = ops.state;
         let [weights, units] = nodes.map(|id| checkpointer.retrieve_node_output(id));
-        let (grad_weights, grad_units) = B::unit_mix_backward(weights, units, grad, first, rows);
-        register_tracked!(grads, ops.parents, [grad_weights, grad_units]);
+        // What the next units' backward left (a table's layer), added in the kernel.
+        let previous_weights = take::<FloatTensor<B>>(slot, Part::Table);
+        let previous_units = take::<FloatTensor<B>>(slot, Part::Units);
+        let (with_weights, with_units) = (previous_weights.is_some(), previous_units.is_some());
+        let (grad_weights, grad_units) = B::unit_mix_backward(
+            weights,
+            units,
+            grad.clone(),
+            previous_weights.unwrap_or_else(|| grad.clone()),
+            previous_units.unwrap_or(grad),
+            first,
+            rows,
+            with_weights,
+            with_units,
+        );
+        let [weights_parent, units_parent] = ops.parents;
+        register_tracked!(grads, [weights_parent], [grad_weights]);
+        // The table's backward, sure to run (the units are its input), adds its part of ∂S.
+        if let Some(parent) = units_parent {
+            let left = if slot != 0 {
+                leave(slot, Part::Units, grad_units)
+            } else {
+                Err(grad_units)
+            };
+            if let Err(grad_units) = left {
+                grads.register::<B>(parent.id, grad_units);
+            }
+        }
     }
 }
 
@@ -268,7 +359,91 @@ impl<B: UnitKernelsBackend> Backward<B, 4> for MixAdd {
     }
 }
 
+#[derive(Debug)]
+struct MixAddInline;
+
+impl<B: UnitKernelsBackend> Backward<B, 3> for MixAddInline {
+    type State = ([NodeId; 3], [usize; 3], u64);
+
+    fn backward(
+        self,
+        ops: Ops<Self::State, 3>,
+        grads: &mut Gradients,
+        checkpointer: &mut Checkpointer,
+    ) {
+        let grad = grads.consume::<B>(&ops.node);
+        let (nodes, [first, rows, beta_row], slot) = ops.state;
+        let [weights, units, branch] = nodes.map(|id| checkpointer.retrieve_node_output(id));
+        let (grad_weights, grad_units, grad_branch) =
+            B::unit_mix_add_inline_backward(weights, units, branch, grad, first, rows, beta_row);
+        let [weights_parent, units_parent, branch_parent] = ops.parents;
+        register_tracked!(grads, [branch_parent], [grad_branch]);
+        // The block input's backward, sure to run (the table and the units are its inputs),
+        // adds its parts to these.
+        for (parent, part, gradient) in [
+            (weights_parent, Part::Table, grad_weights),
+            (units_parent, Part::Units, grad_units),
+        ] {
+            let Some(parent) = parent else {
+                continue;
+            };
+            let left = if slot != 0 {
+                leave(slot, part, gradient)
+            } else {
+                Err(gradient)
+            };
+            if let Err(gradient) = left {
+                grads.register::<B>(parent.id, gradient);
+            }
+        }
+    }
+}
+
 impl<B: UnitKernelsBackend, C: CheckpointStrategy> UnitKernelsBackend for Autodiff<B, C> {
+    fn unit_mix_add_inline(
+        weights: FloatTensor<Self>,
+        units: FloatTensor<Self>,
+        branch: FloatTensor<Self>,
+        first: usize,
+        rows: usize,
+        beta_row: usize,
+        slot: u64,
+    ) -> FloatTensor<Self> {
+        tracked_op::<B, C, _, _>(
+            MixAddInline,
+            [weights, units, branch],
+            |[weights, units, branch]| {
+                B::unit_mix_add_inline(weights, units, branch, first, rows, beta_row, slot)
+            },
+            |nodes, _| (nodes, [first, rows, beta_row], slot),
+        )
+    }
+
+    fn unit_mix_add_inline_backward(
+        weights: FloatTensor<Self>,
+        units: FloatTensor<Self>,
+        branch: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        first: usize,
+        rows: usize,
+        beta_row: usize,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        let (grad_weights, grad_units, grad_branch) = B::unit_mix_add_inline_backward(
+            weights.into_primitive(),
+            units.into_primitive(),
+            branch.into_primitive(),
+            grad.into_primitive(),
+            first,
+            rows,
+            beta_row,
+        );
+        (
+            constant::<B, C>(grad_weights),
+            constant::<B, C>(grad_units),
+            constant::<B, C>(grad_branch),
+        )
+    }
+
     fn unit_projection(
         rows: FloatTensor<Self>,
         weights: FloatTensor<Self>,
@@ -316,12 +491,13 @@ impl<B: UnitKernelsBackend, C: CheckpointStrategy> UnitKernelsBackend for Autodi
         units: FloatTensor<Self>,
         first: usize,
         rows: usize,
+        slot: u64,
     ) -> FloatTensor<Self> {
         tracked_op::<B, C, _, _>(
             Mix,
             [weights, units],
-            |[weights, units]| B::unit_mix(weights, units, first, rows),
-            |nodes, _| (nodes, [first, rows]),
+            |[weights, units]| B::unit_mix(weights, units, first, rows, slot),
+            |nodes, _| (nodes, [first, rows], slot),
         )
     }
 
@@ -347,15 +523,23 @@ impl<B: UnitKernelsBackend, C: CheckpointStrategy> UnitKernelsBackend for Autodi
         weights: FloatTensor<Self>,
         units: FloatTensor<Self>,
         grad: FloatTensor<Self>,
+        previous_weights: FloatTensor<Self>,
+        previous_units: FloatTensor<Self>,
         first: usize,
         rows: usize,
+        with_previous_weights: bool,
+        with_previous_units: bool,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
         let (grad_weights, grad_units) = B::unit_mix_backward(
             weights.into_primitive(),
             units.into_primitive(),
             grad.into_primitive(),
+            previous_weights.into_primitive(),
+            previous_units.into_primitive(),
             first,
             rows,
+            with_previous_weights,
+            with_previous_units,
         );
         (constant::<B, C>(grad_weights), constant::<B, C>(grad_units))
     }
@@ -399,7 +583,7 @@ mod tests {
 
     use super::{MAX_UNITS, mix, projection};
     use crate::backend::units::{composed_mix, composed_normed_projection};
-    use crate::backend::{MatrixRows, RowScale, UnitOps};
+    use crate::backend::{Gains, MatrixRows, RowScale, UnitOps};
     use crate::device::device;
 
     fn wgpu() -> Device {
@@ -532,7 +716,8 @@ mod tests {
                         count: rows,
                     };
                     if kernels {
-                        mix(read, x[1].clone(), addend)
+                        let addend = addend.map(|(beta, branch)| (Gains::Own(beta), branch));
+                        mix(read, x[1].clone(), addend, 0)
                     } else {
                         composed_mix(read.taken(), x[1].clone(), addend)
                     }
@@ -544,6 +729,42 @@ mod tests {
                     values_and_gradients(&[weights.clone(), units.clone()], &probe, op)
                 }
             };
+            assert_all_close(&run(true), &run(false), &case);
+        }
+    }
+
+    /// `β` read as the last row of the mixing's matrices (a layer's connections made as one
+    /// table `[T, V + U + 1, U]`), against the composed ops on that row taken out: values and
+    /// the gradients of the table (`β`'s row included), the units and the branch.
+    #[test]
+    fn gains_read_from_the_table_match_the_composed_operations() {
+        let device = wgpu();
+        for (tokens, count, width, views) in [(37, 4, 100, 1), (6, 8, 33, 2), (3, 1, 256, 1)] {
+            let table = random([tokens, views + count + 1, count], &device);
+            let units = random([tokens, count, width], &device);
+            let branch = random([tokens, views, width], &device);
+            let probe = random([tokens, count, width], &device);
+            let run = |kernels: bool| {
+                values_and_gradients(
+                    &[table.clone(), units.clone(), branch.clone()],
+                    &probe,
+                    |x| {
+                        let read = MatrixRows {
+                            matrices: x[0].clone(),
+                            first: views,
+                            count,
+                        };
+                        if kernels {
+                            let addend = (Gains::Row(views + count), x[2].clone());
+                            mix(read, x[1].clone(), Some(addend), 0)
+                        } else {
+                            let beta = x[0].clone().narrow(1, views + count, 1).swap_dims(1, 2);
+                            composed_mix(read.taken(), x[1].clone(), Some((beta, x[2].clone())))
+                        }
+                    },
+                )
+            };
+            let case = format!("T={tokens} U={count} w={width} V={views}");
             assert_all_close(&run(true), &run(false), &case);
         }
     }

@@ -112,6 +112,28 @@ impl MatrixRows {
     }
 }
 
+/// The gains `β` of the block output in a mixing `Aᵀ S + β h`.
+#[derive(Debug, Clone)]
+// One per mixing, moved along: the size of a tensor handle is no cost here.
+#[allow(clippy::large_enum_variant)]
+pub enum Gains {
+    /// A tensor of their own, `[T | 1, R, 1]`.
+    Own(Tensor<3>),
+    /// Row `row` of the mixing's matrices: `β[t, r] = matrices[t, row, r]` (a layer's
+    /// connections made as one table).
+    Row(usize),
+}
+
+impl Gains {
+    /// `β` as `[T | 1, R, 1]`, read from `matrices` where it is one of their rows.
+    pub(crate) fn tensor(self, matrices: &Tensor<3>) -> Tensor<3> {
+        match self {
+            Self::Own(beta) => beta,
+            Self::Row(row) => matrices.clone().narrow(1, row, 1).swap_dims(1, 2),
+        }
+    }
+}
+
 /// The unit ops of one layer (see [`UnitOps::layer`]).
 #[derive(Debug, Clone)]
 #[cfg_attr(not(feature = "flex"), allow(dead_code))] // read by the fused ops only
@@ -160,14 +182,24 @@ impl LayerOps {
     }
 
     /// `Aᵀ S (+ β h)` per token: `weights` the `R` rows of `Aᵀ` (`[tokens | 1, R, U]`),
-    /// `units [tokens, U, w]`, and the optional `β [tokens | 1, R, 1]`, `h [tokens, V, w]` (row
-    /// `r` receives view `r mod V`); `[tokens, R, w]`.
+    /// `units [tokens, U, w]`, and the optional `β` (`[tokens | 1, R, 1]`), `h [tokens, V, w]`
+    /// (row `r` receives view `r mod V`); `[tokens, R, w]`.
+    ///
+    /// `slot`: the gradient slot of the layer's table (from [`table`](Self::gated_table)), 0
+    /// where its connections are not one table.
     pub(crate) fn mix(
         &self,
         weights: MatrixRows,
         units: Tensor<3>,
-        addend: Option<(Tensor<3>, Tensor<3>)>,
+        addend: Option<(Gains, Tensor<3>)>,
+        slot: u64,
     ) -> Tensor<3> {
+        #[cfg(feature = "cube-kernels")]
+        if let UnitOps::Kernels = self.ops {
+            return super::unit_kernels::mix(weights, units, addend, slot);
+        }
+        let _ = slot;
+        let addend = addend.map(|(gains, branch)| (gains.tensor(&weights.matrices), branch));
         #[cfg(feature = "flex")]
         if let UnitOps::Fused { .. } = self.ops {
             return super::stream_mix::fused_stream_mix(
@@ -177,11 +209,34 @@ impl LayerOps {
                 self.gradient.as_ref(),
             );
         }
-        #[cfg(feature = "cube-kernels")]
-        if let UnitOps::Kernels = self.ops {
-            return super::unit_kernels::mix(weights, units, addend);
-        }
         composed_mix(weights.taken(), units, addend)
+    }
+
+    /// The layer's connections as one table `[T, V + U + 1, U]` through the CubeCL kernels
+    /// (see [`connection_tables`](super::connection_tables)), with the gradient slot its mixes
+    /// share (see [`gradient_slots`](super::gradient_slots)), where this pass runs them; `None`
+    /// where the caller composes them.
+    #[cfg(feature = "cube-kernels")]
+    pub(crate) fn gated_table(
+        &self,
+        inputs: impl FnOnce() -> super::Gated,
+    ) -> Option<(Tensor<3>, u64)> {
+        matches!(self.ops, UnitOps::Kernels).then(|| {
+            let slot = super::gradient_slots::new_key();
+            (super::connection_tables::gated(inputs(), slot), slot)
+        })
+    }
+
+    /// As [`gated_table`](Self::gated_table), for the normalised form.
+    #[cfg(feature = "cube-kernels")]
+    pub(crate) fn normalised_table(
+        &self,
+        inputs: impl FnOnce() -> super::Normalised,
+    ) -> Option<(Tensor<3>, u64)> {
+        matches!(self.ops, UnitOps::Kernels).then(|| {
+            let slot = super::gradient_slots::new_key();
+            (super::connection_tables::normalised(inputs(), slot), slot)
+        })
     }
 }
 

@@ -87,29 +87,28 @@ impl PerMatrix {
     }
 }
 
-mod kernels {
+pub(crate) mod kernels {
     use cubecl::prelude::*;
 
     // A line of a row-major `n × n` matrix: entry `b` of line `a` is at `a·outer + b·inner`;
     // rows are `(outer, inner) = (n, 1)`, columns `(1, n)`.
 
-    /// `matrix ← softmax_rows(logits) + ε` for the matrix starting at `base`.
+    /// `matrix ← softmax_rows(logits) + ε`.
     #[cube]
     fn softmax_rows<E: Float>(
-        logits: &Tensor<E>,
-        base: usize,
+        logits: &Array<E>,
         matrix: &mut Array<E>,
         #[comptime] n: usize,
         epsilon: E,
     ) {
         for i in 0..n {
-            let mut largest = logits[base + i * n];
+            let mut largest = logits[i * n];
             for j in 1..n {
-                largest = largest.max(logits[base + i * n + j]);
+                largest = largest.max(logits[i * n + j]);
             }
             let mut total = E::new(0.0);
             for j in 0..n {
-                let value = (logits[base + i * n + j] - largest).exp();
+                let value = (logits[i * n + j] - largest).exp();
                 matrix[i * n + j] = value;
                 total += value;
             }
@@ -192,6 +191,33 @@ mod kernels {
         }
     }
 
+    /// `matrix ← SK(logits)`, every iteration in registers (one `n × n` matrix).
+    #[cube]
+    pub(crate) fn sinkhorn_forward<E: Float>(
+        logits: &Array<E>,
+        matrix: &mut Array<E>,
+        #[comptime] n: usize,
+        #[comptime] iterations: usize,
+        epsilon: E,
+    ) {
+        softmax_rows::<E>(logits, matrix, n, epsilon);
+        normalise_lines::<E>(matrix, 1, n, n, epsilon);
+        for _ in 1..iterations {
+            normalise_lines::<E>(matrix, n, 1, n, epsilon);
+            normalise_lines::<E>(matrix, 1, n, n, epsilon);
+        }
+    }
+
+    /// The `n × n` matrix at `base` of `tensor` in registers.
+    #[cube]
+    fn load<E: Float>(tensor: &Tensor<E>, base: usize, #[comptime] n: usize) -> Array<E> {
+        let mut values = Array::<E>::new(n * n);
+        for k in 0..n * n {
+            values[k] = tensor[base + k];
+        }
+        values
+    }
+
     #[cube(launch)]
     pub(super) fn sinkhorn_forward_kernel<E: Float>(
         logits: &Tensor<E>,
@@ -206,36 +232,27 @@ mod kernels {
         if base >= output.len() {
             terminate!();
         }
+        let values = load::<E>(logits, base, n);
         let mut matrix = Array::<E>::new(n * n);
-        softmax_rows::<E>(logits, base, &mut matrix, n, epsilon);
-        normalise_lines::<E>(&mut matrix, 1, n, n, epsilon);
-        for _ in 1..iterations {
-            normalise_lines::<E>(&mut matrix, n, 1, n, epsilon);
-            normalise_lines::<E>(&mut matrix, 1, n, n, epsilon);
-        }
+        sinkhorn_forward::<E>(&values, &mut matrix, n, iterations, epsilon);
         for k in 0..n * n {
             output[base + k] = matrix[k];
         }
     }
 
-    #[cube(launch)]
-    pub(super) fn sinkhorn_backward_kernel<E: Float>(
-        logits: &Tensor<E>,
-        grad: &Tensor<E>,
-        output: &mut Tensor<E>,
+    /// `output ← ∂L` of `SK(logits)` given `grad = ∂SK`, one `n × n` matrix in registers.
+    #[cube]
+    pub(crate) fn sinkhorn_backward<E: Float>(
+        logits: &Array<E>,
+        grad: &Array<E>,
+        output: &mut Array<E>,
         #[comptime] n: usize,
         #[comptime] iterations: usize,
-        #[comptime] epsilon_bits: u32,
-        #[define(E)] _dtype: ElemType,
+        epsilon: E,
     ) {
-        let epsilon = E::new(comptime!(f32::from_bits(epsilon_bits)));
-        let base = ABSOLUTE_POS * n * n;
-        if base >= output.len() {
-            terminate!();
-        }
         let steps = 2 * iterations - 1;
         let mut start = Array::<E>::new(n * n);
-        softmax_rows::<E>(logits, base, &mut start, n, epsilon);
+        softmax_rows::<E>(logits, &mut start, n, epsilon);
 
         // Forward again as scalings `M_k = diag(row) · start · diag(column)`, keeping each
         // step's denominators; step k normalises columns when k is even, rows when it is odd.
@@ -276,7 +293,7 @@ mod kernels {
 
         let mut upstream = Array::<E>::new(n * n);
         for k in 0..n * n {
-            upstream[k] = grad[base + k];
+            upstream[k] = grad[k];
         }
         for back in 0..steps {
             let k = steps - 1 - back;
@@ -314,9 +331,32 @@ mod kernels {
                 dot += upstream[i * n + j] * (start[i * n + j] - epsilon);
             }
             for j in 0..n {
-                output[base + i * n + j] =
-                    (start[i * n + j] - epsilon) * (upstream[i * n + j] - dot);
+                output[i * n + j] = (start[i * n + j] - epsilon) * (upstream[i * n + j] - dot);
             }
+        }
+    }
+
+    #[cube(launch)]
+    pub(super) fn sinkhorn_backward_kernel<E: Float>(
+        logits: &Tensor<E>,
+        grad: &Tensor<E>,
+        output: &mut Tensor<E>,
+        #[comptime] n: usize,
+        #[comptime] iterations: usize,
+        #[comptime] epsilon_bits: u32,
+        #[define(E)] _dtype: ElemType,
+    ) {
+        let epsilon = E::new(comptime!(f32::from_bits(epsilon_bits)));
+        let base = ABSOLUTE_POS * n * n;
+        if base >= output.len() {
+            terminate!();
+        }
+        let values = load::<E>(logits, base, n);
+        let upstream = load::<E>(grad, base, n);
+        let mut result = Array::<E>::new(n * n);
+        sinkhorn_backward::<E>(&values, &upstream, &mut result, n, iterations, epsilon);
+        for k in 0..n * n {
+            output[base + k] = result[k];
         }
     }
 }

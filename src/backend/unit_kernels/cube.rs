@@ -22,16 +22,18 @@ const MOST_THREADS: usize = 64;
 fn mix(
     weights: FloatTensor<Cube>,
     units: FloatTensor<Cube>,
-    addend: Option<(FloatTensor<Cube>, FloatTensor<Cube>)>,
+    addend: Option<(BetaAt, FloatTensor<Cube>)>,
     [first, rows]: [usize; 2],
 ) -> FloatTensor<Cube> {
     let units = into_contiguous(units);
     let [tokens, count, width] = units.meta.shape().dims::<3>();
     let output = empty(&units, Shape::new([tokens, rows, width]));
     let with_addend = addend.is_some();
-    // Without an addend the kernel reads neither: `weights` and `units` stand in.
+    let beta_row = inline_row(&addend);
+    // Without an addend (or with β in `weights`) the kernel reads no `β`: a stand-in.
     let (beta, branch) = match addend {
-        Some((beta, branch)) => (beta, into_contiguous(branch)),
+        Some((BetaAt::Own(beta), branch)) => (beta, into_contiguous(branch)),
+        Some((BetaAt::Row(_), branch)) => (weights.clone(), into_contiguous(branch)),
         None => (weights.clone(), units.clone()),
     };
     let views = if with_addend {
@@ -55,9 +57,35 @@ fn mix(
         count,
         views,
         with_addend,
+        beta_row,
         dtype_to_storage_type(units.dtype),
     );
     output
+}
+
+/// Gradients of the weights and the units left by a later op of the layer, added to the
+/// mixing's own.
+#[derive(Default)]
+struct Previous {
+    weights: Option<FloatTensor<Cube>>,
+    units: Option<FloatTensor<Cube>>,
+}
+
+/// Where a mixing's `β` is: a tensor of its own `[T | 1, rows, 1]`, or row `r` of the weights'
+/// matrices (`β[t, u] = weights[t, r, u]`).
+// One per mixing, moved along: the size of a tensor handle is no cost here.
+#[allow(clippy::large_enum_variant)]
+enum BetaAt {
+    Own(FloatTensor<Cube>),
+    Row(usize),
+}
+
+/// The weights' row holding `β`, or `usize::MAX` where it has a tensor of its own (or none).
+fn inline_row(addend: &Option<(BetaAt, FloatTensor<Cube>)>) -> usize {
+    match addend {
+        Some((BetaAt::Row(row), _)) => *row,
+        _ => usize::MAX,
+    }
 }
 
 /// `(∂W, ∂S, ∂β, ∂h)`; the last two only with an addend. `∂W` has every row of `weights`,
@@ -66,8 +94,9 @@ fn mix(
 fn mix_backward(
     weights: FloatTensor<Cube>,
     units: FloatTensor<Cube>,
-    addend: Option<(FloatTensor<Cube>, FloatTensor<Cube>)>,
+    addend: Option<(BetaAt, FloatTensor<Cube>)>,
     grad: FloatTensor<Cube>,
+    previous: Previous,
     [first, rows]: [usize; 2],
 ) -> (
     FloatTensor<Cube>,
@@ -80,11 +109,14 @@ fn mix_backward(
     let all_rows = weights.meta.shape()[1];
     let shared_weights = weights.meta.shape()[0] == 1;
     let with_addend = addend.is_some();
+    let beta_row = inline_row(&addend);
     let (beta, branch) = match &addend {
-        Some((beta, branch)) => (beta.clone(), into_contiguous(branch.clone())),
+        Some((BetaAt::Own(beta), branch)) => (beta.clone(), into_contiguous(branch.clone())),
+        Some((BetaAt::Row(_), branch)) => (weights.clone(), into_contiguous(branch.clone())),
         None => (weights.clone(), units.clone()),
     };
-    let shared_beta = with_addend && beta.meta.shape()[0] == 1;
+    let own_beta = with_addend && beta_row == usize::MAX;
+    let shared_beta = own_beta && beta.meta.shape()[0] == 1;
     let views = if with_addend {
         branch.meta.shape()[1]
     } else {
@@ -94,7 +126,10 @@ fn mix_backward(
     let grad_weights = empty(&units, Shape::new([tokens, all_rows, count]));
     let (grad_beta, grad_branch) = if with_addend {
         (
-            empty(&units, Shape::new([tokens, rows, 1])),
+            empty(
+                &units,
+                Shape::new([if own_beta { tokens } else { 1 }, rows, 1]),
+            ),
             empty(&units, Shape::new([tokens, views, width])),
         )
     } else {
@@ -103,6 +138,12 @@ fn mix_backward(
             empty(&units, Shape::new([1])),
         )
     };
+    let with_previous = [previous.weights.is_some(), previous.units.is_some()];
+    // Without them the kernel reads no previous gradients: `grad` stands in.
+    let previous_weights = previous
+        .weights
+        .map_or_else(|| grad.clone(), into_contiguous);
+    let previous_units = previous.units.map_or_else(|| grad.clone(), into_contiguous);
     let slots = rows * count + if with_addend { rows } else { 0 };
     let threads = threads_for(&units, slots, MOST_THREADS);
     let (cubes, dim) = per_item(&units, tokens, threads);
@@ -119,11 +160,16 @@ fn mix_backward(
         grad_units.clone().into_tensor_arg(),
         grad_beta.clone().into_tensor_arg(),
         grad_branch.clone().into_tensor_arg(),
+        previous_weights.into_tensor_arg(),
+        previous_units.into_tensor_arg(),
         first,
         rows,
         count,
         views,
         with_addend,
+        beta_row,
+        with_previous[0],
+        with_previous[1],
         threads,
         dtype_to_storage_type(units.dtype),
     );
@@ -222,6 +268,7 @@ impl UnitKernelsBackend for CubeBackend {
         units: FloatTensor<Self>,
         first: usize,
         rows: usize,
+        _slot: u64,
     ) -> FloatTensor<Self> {
         mix(weights, units, None, [first, rows])
     }
@@ -234,17 +281,69 @@ impl UnitKernelsBackend for CubeBackend {
         first: usize,
         rows: usize,
     ) -> FloatTensor<Self> {
-        mix(weights, units, Some((beta, branch)), [first, rows])
+        mix(
+            weights,
+            units,
+            Some((BetaAt::Own(beta), branch)),
+            [first, rows],
+        )
+    }
+
+    fn unit_mix_add_inline(
+        weights: FloatTensor<Self>,
+        units: FloatTensor<Self>,
+        branch: FloatTensor<Self>,
+        first: usize,
+        rows: usize,
+        beta_row: usize,
+        _slot: u64,
+    ) -> FloatTensor<Self> {
+        mix(
+            weights,
+            units,
+            Some((BetaAt::Row(beta_row), branch)),
+            [first, rows],
+        )
+    }
+
+    fn unit_mix_add_inline_backward(
+        weights: FloatTensor<Self>,
+        units: FloatTensor<Self>,
+        branch: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        first: usize,
+        rows: usize,
+        beta_row: usize,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        let (grad_weights, grad_units, addend) = mix_backward(
+            weights,
+            units,
+            Some((BetaAt::Row(beta_row), branch)),
+            grad,
+            Previous::default(),
+            [first, rows],
+        );
+        let (_, grad_branch) = addend.expect("asked with an addend");
+        (grad_weights, grad_units, grad_branch)
     }
 
     fn unit_mix_backward(
         weights: FloatTensor<Self>,
         units: FloatTensor<Self>,
         grad: FloatTensor<Self>,
+        previous_weights: FloatTensor<Self>,
+        previous_units: FloatTensor<Self>,
         first: usize,
         rows: usize,
+        with_previous_weights: bool,
+        with_previous_units: bool,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-        let (grad_weights, grad_units, _) = mix_backward(weights, units, None, grad, [first, rows]);
+        let previous = Previous {
+            weights: with_previous_weights.then_some(previous_weights),
+            units: with_previous_units.then_some(previous_units),
+        };
+        let (grad_weights, grad_units, _) =
+            mix_backward(weights, units, None, grad, previous, [first, rows]);
         (grad_weights, grad_units)
     }
 
@@ -262,8 +361,14 @@ impl UnitKernelsBackend for CubeBackend {
         FloatTensor<Self>,
         FloatTensor<Self>,
     ) {
-        let (grad_weights, grad_units, addend) =
-            mix_backward(weights, units, Some((beta, branch)), grad, [first, rows]);
+        let (grad_weights, grad_units, addend) = mix_backward(
+            weights,
+            units,
+            Some((BetaAt::Own(beta), branch)),
+            grad,
+            Previous::default(),
+            [first, rows],
+        );
         let (grad_beta, grad_branch) = addend.expect("asked with an addend");
         (grad_weights, grad_units, grad_beta, grad_branch)
     }
@@ -272,22 +377,7 @@ impl UnitKernelsBackend for CubeBackend {
 mod kernels {
     use cubecl::prelude::*;
 
-    use crate::backend::cube_launch::kernels::sum_over_cube;
-
-    /// `s(n) = a / max(n + b, f)`, with `f` as the bits of an `f32` (with `f = 0` the floor
-    /// is left out: `a / 0` would fold into an infinite constant that WGSL cannot write).
-    #[cube]
-    fn row_scale<E: Float>(norm: E, numerator: E, offset: E, #[comptime] floor_bits: u32) -> E {
-        let denominator = norm + offset;
-        let mut scale = numerator / denominator;
-        if comptime!(floor_bits != 0) {
-            let floor = E::new(comptime!(f32::from_bits(floor_bits)));
-            if denominator <= floor {
-                scale = numerator / floor;
-            }
-        }
-        scale
-    }
+    use crate::backend::cube_launch::kernels::{row_scale, row_slope, sum_over_cube};
 
     #[cube(launch)]
     pub(super) fn projection_forward_kernel<E: Float>(
@@ -330,8 +420,8 @@ mod kernels {
         sum_over_cube::<E>(&mut shared, slots);
         let scale = row_scale::<E>(
             shared[columns].sqrt(),
-            E::new(comptime!(f32::from_bits(numerator_bits))),
-            E::new(comptime!(f32::from_bits(offset_bits))),
+            numerator_bits,
+            offset_bits,
             floor_bits,
         );
         let mut c = unit;
@@ -375,16 +465,8 @@ mod kernels {
         sync_cube();
         sum_over_cube::<E>(&mut shared, 1usize);
         let norm = shared[0].sqrt();
-        let numerator = E::new(comptime!(f32::from_bits(numerator_bits)));
-        let offset = E::new(comptime!(f32::from_bits(offset_bits)));
-        let floor = E::new(comptime!(f32::from_bits(floor_bits)));
-        let scale = row_scale::<E>(norm, numerator, offset, floor_bits);
-        // s'(n) / n, 0 where s is flat and for a zero row (whose term vanishes).
-        let denominator = norm + offset;
-        let mut slope = E::new(0.0);
-        if denominator > floor && norm > E::new(0.0) {
-            slope = E::new(0.0) - scale / denominator / norm;
-        }
+        let scale = row_scale::<E>(norm, numerator_bits, offset_bits, floor_bits);
+        let slope = row_slope::<E>(norm, scale, offset_bits, floor_bits);
         // (x W · ∂P) with x W = P / s.
         let mut upstream = Array::<E>::new(columns);
         let mut dot = E::new(0.0);
@@ -420,6 +502,33 @@ mod kernels {
         offset
     }
 
+    /// `previous[at]`, or 0 without a previous gradient.
+    #[cube]
+    fn previous_entry<E: Float>(previous: &Tensor<E>, at: usize, #[comptime] with: bool) -> E {
+        if comptime!(with) {
+            previous[at]
+        } else {
+            E::new(0.0)
+        }
+    }
+
+    /// `β[t, r]`: from `beta [T | 1, R, 1]`, or from row `beta_row` of `weights` (unless it is
+    /// `usize::MAX`).
+    #[cube]
+    fn gain_of<E: Float>(
+        weights: &Tensor<E>,
+        beta: &Tensor<E>,
+        t: usize,
+        r: usize,
+        #[comptime] beta_row: usize,
+    ) -> E {
+        if comptime!(beta_row == usize::MAX) {
+            beta[leading_offset::<E>(beta, t, r)]
+        } else {
+            weights[leading_offset::<E>(weights, t, beta_row) + r * weights.stride(2)]
+        }
+    }
+
     #[cube(launch)]
     #[allow(clippy::too_many_arguments)]
     pub(super) fn mix_forward_kernel<E: Float>(
@@ -433,6 +542,7 @@ mod kernels {
         #[comptime] count: usize,
         #[comptime] views: usize,
         #[comptime] with_addend: bool,
+        #[comptime] beta_row: usize,
         #[define(E)] _dtype: ElemType,
     ) {
         let position = ABSOLUTE_POS;
@@ -450,7 +560,7 @@ mod kernels {
             total += weights[base + u * across] * units[(t * count + u) * width + j];
         }
         if comptime!(with_addend) {
-            let gain = beta[leading_offset::<E>(beta, t, r)];
+            let gain = gain_of::<E>(weights, beta, t, r, beta_row);
             total += gain * branch[(t * views + r % views) * width + j];
         }
         output[position] = total;
@@ -468,11 +578,16 @@ mod kernels {
         grad_units: &mut Tensor<E>,
         grad_beta: &mut Tensor<E>,
         grad_branch: &mut Tensor<E>,
+        previous_weights: &Tensor<E>,
+        previous_units: &Tensor<E>,
         #[comptime] first: usize,
         #[comptime] rows: usize,
         #[comptime] count: usize,
         #[comptime] views: usize,
         #[comptime] with_addend: bool,
+        #[comptime] beta_row: usize,
+        #[comptime] with_previous_weights: bool,
+        #[comptime] with_previous_units: bool,
         #[comptime] threads: usize,
         #[define(E)] _dtype: ElemType,
     ) {
@@ -499,7 +614,7 @@ mod kernels {
         let mut gains = Array::<E>::new(rows);
         if comptime!(with_addend) {
             for r in 0..rows {
-                gains[r] = beta[leading_offset::<E>(beta, t, r)];
+                gains[r] = gain_of::<E>(weights, beta, t, r, beta_row);
             }
         }
         let mut partial = Array::<E>::new(slots);
@@ -519,6 +634,9 @@ mod kernels {
                 for r in 0..rows {
                     total += mixing[r * count + u] * upstream[r];
                     partial[r * count + u] += upstream[r] * value;
+                }
+                if comptime!(with_previous_units) {
+                    total += previous_units[at];
                 }
                 grad_units[at] = total;
             }
@@ -544,24 +662,35 @@ mod kernels {
         }
         sync_cube();
         sum_over_cube::<E>(&mut shared, slots);
-        // ∂W has every row of `weights`: this token's rows before and after those read are zero.
+        // ∂W has every row of `weights`: this token's rows other than those read (and `β`'s)
+        // are zero.
         let all_rows = weights.shape(1);
         let token_base = t * all_rows * count;
         let mut k = unit;
-        while k < (all_rows - rows) * count {
-            let mut row = k / count;
-            if row >= first {
-                row += rows;
+        while k < all_rows * count {
+            let row = k / count;
+            let mut zero = row < first || row >= first + rows;
+            if comptime!(beta_row != usize::MAX) {
+                zero = zero && row != beta_row;
             }
-            grad_weights[token_base + row * count + k % count] = E::new(0.0);
+            if zero {
+                grad_weights[token_base + k] =
+                    previous_entry::<E>(previous_weights, token_base + k, with_previous_weights);
+            }
             k += threads;
         }
         k = unit;
         while k < slots {
             if k < mixed {
-                grad_weights[token_base + first * count + k] = shared[k];
-            } else {
+                let at = token_base + first * count + k;
+                grad_weights[at] =
+                    shared[k] + previous_entry::<E>(previous_weights, at, with_previous_weights);
+            } else if comptime!(beta_row == usize::MAX) {
                 grad_beta[t * rows + k - mixed] = shared[k];
+            } else {
+                let at = token_base + beta_row * count + k - mixed;
+                grad_weights[at] =
+                    shared[k] + previous_entry::<E>(previous_weights, at, with_previous_weights);
             }
             k += threads;
         }

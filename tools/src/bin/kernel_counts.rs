@@ -13,11 +13,16 @@
 //! block and, for the train step, the crate's targets; then one JSON line per variant and pass,
 //!
 //! ```text
-//! {"variant": "mhc", "pass": "train_step", "depth": 4, "kernels": 131, "extra_per_block": 7.50, "device": "wgpu"}
+//! {"variant": "mhc", "pass": "train_step", "depth": 4, "kernels": 196, "extra_per_block": 13.75, "device": "wgpu", "trained_input": false}
 //! ```
 //!
 //! (`pass`: `forward`, `forward_autodiff` or `train_step`); and the kernels of one connectivity
 //! step on its own, for the crate's formulation and for the alternatives it was compared with.
+//!
+//! The train step's stack input is a constant by default, so the residual stack never
+//! differentiates its first block's input; a connectivity with parameters before the first block
+//! (HC's and mHC's first mixing) must, about 20 kernels once per pass. `--trained-input` makes
+//! the input require a gradient, as under a trained embedding, where every variant pays them.
 
 use burn_connectivity_tools as common;
 use burn_connectivity_tools::workloads;
@@ -48,6 +53,11 @@ struct Flags {
     /// Variants, comma separated (default: all counted; the residual is always counted).
     #[arg(long, default_value = "")]
     variants: String,
+    /// The stack input of the train step requires a gradient, as under a trained embedding
+    /// (by default it is a constant: the residual then never differentiates block 1's input,
+    /// which a connectivity with parameters before block 1 must).
+    #[arg(long)]
+    trained_input: bool,
 }
 
 #[derive(Default)]
@@ -155,7 +165,11 @@ fn run(flags: Flags) -> Result<(), String> {
     let tracked = device.clone().autodiff();
 
     let input = stack_input(&device);
-    let tracked_input = stack_input(&tracked);
+    let tracked_input = if flags.trained_input {
+        stack_input(&tracked).require_grad()
+    } else {
+        stack_input(&tracked)
+    };
     let mut rows = Vec::new();
     for pass in Pass::ALL {
         println!(
@@ -192,9 +206,10 @@ fn run(flags: Flags) -> Result<(), String> {
                 variant.name(),
             );
             rows.push(format!(
-                r#"{{"variant": "{}", "pass": "{}", "depth": {depth}, "kernels": {kernels}, "extra_per_block": {extra:.2}, "device": "{name}"}}"#,
+                r#"{{"variant": "{}", "pass": "{}", "depth": {depth}, "kernels": {kernels}, "extra_per_block": {extra:.2}, "device": "{name}", "trained_input": {}}}"#,
                 variant.name(),
                 pass.name(),
+                flags.trained_input,
             ));
         }
     }

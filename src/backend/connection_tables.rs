@@ -1,0 +1,631 @@
+//! The token-dependent connections of a multi-stream layer made in one kernel, as one table per
+//! token, with their backward in three: for the CubeCL backends (wgpu, vulkan, metal, cuda).
+//!
+//! A layer of `U` units per token mixes them with a table `[T, V + U + 1, U]` per token `t`:
+//! rows `0..V` are `A_inᵀ` (they make the `V` views of the block input), rows `V..V+U` are
+//! `A_resᵀ` (they make the next units), the last row is `βᵀ` (the gains of the block output).
+//! Composed from tensor ops, the table costs a kernel or more per step of its equations forward
+//! (norm, product, activations, scales, the static part, the Sinkhorn-Knopp, the layout), and
+//! more backward (each broadcast parameter's gradient is a reduction of its own, each slice a
+//! zero fill and a copy). Here it is one kernel forward, one cube per projected row; backward,
+//! one kernel per row recomputes the projection and takes every step back, one matrix product
+//! makes the projection weights' gradient, and one kernel sums the small parameters' gradients
+//! over the tokens, one cube each.
+//!
+//! Two forms, with their constants passed in. The row scale is `s(n) = a / max(n + b, f)` of the
+//! row norm `n = ‖x_r‖₂` (as in the normalised projection).
+//!
+//! **Gated** (rows are units: `R = T·U`, row `r = t·U + q`; `W [w, K]`, `K = V + U`, `v [w]`,
+//! gain `γ [w]`, scalars `m_W`, `m_v`, static parts `A [U, K]`, `b [U]`; `act` is `tanh` or the
+//! identity):
+//!
+//! ```text
+//! p_r   = s(‖x_r‖) · x_r diag(1 + γ) [W | v]                 ([K + 1] per row)
+//! table[t, c, q] = m_W · act(p_rc) + A[q, c]   (c < K)
+//! table[t, K, q] = m_v · act(p_rK) + b[q]
+//! ```
+//!
+//! **Normalised** (rows are tokens: `R = T`, `x_t` the `n` units flattened; `Φ [N, 2n + n²]`,
+//! scalars `α_in`, `α_depth`, `α_res`, bias `c [2n + n²]`; constants `ε_in`, `k`, and
+//! Sinkhorn-Knopp's iterations and `ε`):
+//!
+//! ```text
+//! z     = α_g · s(‖x_t‖) · x_t Φ + c       (α_g: α_in for the first n entries, α_depth for the
+//!                                          next n, α_res for the n² after them)
+//! table[t, 0, k]     = σ(z_k) + ε_in
+//! table[t, 1 + i, k] = SK(z[2n:] as n × n)[k][i]
+//! table[t, n + 1, i] = k · σ(z_{n+i})
+//! ```
+//!
+//! Backward, with `g` the table's gradient read at each entry's place and `δ = ∂p` (or `∂z`
+//! times `α_g`): `∂x_r = s W̃ δ_r + s'(n)/n · (x_r W̃ · δ_r) x_r` (`W̃` the effective projection
+//! weights), `H = Σ_r x_rᵀ (s_r δ_r)` (the matrix product), then `∂W = diag(1 + γ) H[:, :K]`,
+//! `∂v = (1 + γ) ⊙ H[:, K]`, `∂γ = Σ_c [W | v] ⊙ H` (gated) or `∂Φ = H` (normalised); the
+//! scalars' and static parts' gradients are sums over the rows of per-row terms.
+//!
+//! Which passes use the kernels is decided once per forward pass, with the unit ops
+//! ([`UnitOps`](super::UnitOps)): the passes of the unit kernels (at most
+//! [`MAX_UNITS`](super::unit_kernels::MAX_UNITS) units). Not differentiable twice.
+
+use burn::backend::autodiff::checkpoint::base::Checkpointer;
+use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
+use burn::backend::autodiff::grads::Gradients;
+use burn::backend::autodiff::ops::{Backward, Ops};
+use burn::backend::autodiff::{Autodiff, NodeId};
+use burn::backend::fusion::custom::TensorSpec;
+use burn::backend::tensor::FloatTensor;
+use burn::backend::{Backend, Dispatch, backend_extension};
+use burn::tensor::{Shape, Tensor};
+
+use super::RowScale;
+use super::autodiff::{constant, tracked_op};
+use super::gradient_slots::{Part, take};
+
+pub(super) mod cube;
+
+/// The gated form's inputs (see the [module docs](self)).
+pub(crate) struct Gated {
+    /// `x`, `[T·U, w]`.
+    pub rows: Tensor<2>,
+    /// `W`, `[w, K]`.
+    pub mixing_weights: Tensor<2>,
+    /// `v`, `[w]`.
+    pub depth_weights: Tensor<1>,
+    /// `γ`, `[w]`.
+    pub gain: Tensor<1>,
+    /// `m_W`, `[1]`.
+    pub mixing_scale: Tensor<1>,
+    /// `m_v`, `[1]`.
+    pub depth_scale: Tensor<1>,
+    /// `A`, `[U, K]`.
+    pub mixing_static: Tensor<2>,
+    /// `b`, `[U]`.
+    pub depth_static: Tensor<1>,
+    /// `act = tanh` (else the identity).
+    pub tanh: bool,
+    pub row_scale: RowScale,
+}
+
+/// The normalised form's inputs (see the [module docs](self)).
+pub(crate) struct Normalised {
+    /// `x`, `[T, n·C]`.
+    pub rows: Tensor<2>,
+    /// `Φ`, `[n·C, 2n + n²]`.
+    pub weights: Tensor<2>,
+    /// `α_in`, `α_depth`, `α_res`, `[1]` each.
+    pub scales: [Tensor<1>; 3],
+    /// `c`, `[2n + n²]`.
+    pub bias: Tensor<1>,
+    /// `n`.
+    pub streams: usize,
+    /// `ε_in`.
+    pub input_offset: f64,
+    /// `k`.
+    pub depth_factor: f64,
+    pub sinkhorn_iterations: usize,
+    pub sinkhorn_epsilon: f64,
+    pub row_scale: RowScale,
+}
+
+/// The gated form's table `[T, K + 1, U]`; `slot`: the layer's gradient slot (see
+/// [`gradient_slots`](super::gradient_slots)), 0 for none.
+pub(crate) fn gated(inputs: Gated, slot: u64) -> Tensor<3> {
+    let Gated {
+        rows,
+        mixing_weights,
+        depth_weights,
+        gain,
+        mixing_scale,
+        depth_scale,
+        mixing_static,
+        depth_static,
+        tanh,
+        row_scale,
+    } = inputs;
+    Tensor::from_dispatch(<Dispatch as ConnectionTableBackend>::gated_table(
+        rows.into_dispatch(),
+        mixing_weights.into_dispatch(),
+        depth_weights.into_dispatch(),
+        gain.into_dispatch(),
+        mixing_scale.into_dispatch(),
+        depth_scale.into_dispatch(),
+        mixing_static.into_dispatch(),
+        depth_static.into_dispatch(),
+        tanh,
+        row_scale.numerator,
+        row_scale.offset,
+        row_scale.floor,
+        slot,
+    ))
+}
+
+/// The normalised form's table `[T, n + 2, n]`; `slot` as in [`gated`].
+pub(crate) fn normalised(inputs: Normalised, slot: u64) -> Tensor<3> {
+    let Normalised {
+        rows,
+        weights,
+        scales: [input_scale, depth_scale, residual_scale],
+        bias,
+        streams,
+        input_offset,
+        depth_factor,
+        sinkhorn_iterations,
+        sinkhorn_epsilon,
+        row_scale,
+    } = inputs;
+    Tensor::from_dispatch(<Dispatch as ConnectionTableBackend>::normalised_table(
+        rows.into_dispatch(),
+        weights.into_dispatch(),
+        input_scale.into_dispatch(),
+        depth_scale.into_dispatch(),
+        residual_scale.into_dispatch(),
+        bias.into_dispatch(),
+        streams,
+        sinkhorn_iterations,
+        input_offset,
+        depth_factor,
+        sinkhorn_epsilon,
+        row_scale.numerator,
+        row_scale.offset,
+        slot,
+    ))
+}
+
+/// The connection tables (see the [module docs](self)).
+#[backend_extension(
+    Cube: cfg(feature = "cube-kernels"),
+    Fusion: cfg(feature = "cube-kernels"),
+    Autodiff
+)]
+pub(crate) trait ConnectionTableBackend: Backend {
+    /// The gated form's table `[T, K + 1, U]`.
+    #[fusion(meta = |rows, mixing_weights, _, _, _, _, mixing_static, _, _, _, _, _, _| TensorSpec::new(
+        Shape::new([
+            rows.shape[0] / mixing_static.shape[0],
+            mixing_weights.shape[1] + 1,
+            mixing_static.shape[0],
+        ]),
+        rows.dtype,
+    ))]
+    #[allow(clippy::too_many_arguments)]
+    fn gated_table(
+        rows: FloatTensor<Self>,
+        mixing_weights: FloatTensor<Self>,
+        depth_weights: FloatTensor<Self>,
+        gain: FloatTensor<Self>,
+        mixing_scale: FloatTensor<Self>,
+        depth_scale: FloatTensor<Self>,
+        mixing_static: FloatTensor<Self>,
+        depth_static: FloatTensor<Self>,
+        tanh: bool,
+        numerator: f64,
+        offset: f64,
+        floor: f64,
+        slot: u64,
+    ) -> FloatTensor<Self>;
+
+    /// The gradients of the gated form's eight inputs, given the table's; `previous_rows`
+    /// (read where `with_previous_rows`) is added to the rows'.
+    #[fusion(meta = |rows, mixing_weights, depth_weights, gain, mixing_scale, depth_scale,
+        mixing_static, depth_static, _, _, _, _, _, _, _| (
+        rows.clone(),
+        mixing_weights.clone(),
+        depth_weights.clone(),
+        gain.clone(),
+        mixing_scale.clone(),
+        depth_scale.clone(),
+        mixing_static.clone(),
+        depth_static.clone(),
+    ))]
+    #[allow(clippy::too_many_arguments, clippy::type_complexity)]
+    fn gated_table_backward(
+        rows: FloatTensor<Self>,
+        mixing_weights: FloatTensor<Self>,
+        depth_weights: FloatTensor<Self>,
+        gain: FloatTensor<Self>,
+        mixing_scale: FloatTensor<Self>,
+        depth_scale: FloatTensor<Self>,
+        mixing_static: FloatTensor<Self>,
+        depth_static: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        previous_rows: FloatTensor<Self>,
+        with_previous_rows: bool,
+        tanh: bool,
+        numerator: f64,
+        offset: f64,
+        floor: f64,
+    ) -> (
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+    );
+
+    /// The normalised form's table `[T, n + 2, n]`.
+    #[fusion(meta = |rows, _, _, _, _, _, streams, _, _, _, _, _, _, _| TensorSpec::new(
+        Shape::new([rows.shape[0], *streams + 2, *streams]),
+        rows.dtype,
+    ))]
+    #[allow(clippy::too_many_arguments)]
+    fn normalised_table(
+        rows: FloatTensor<Self>,
+        weights: FloatTensor<Self>,
+        input_scale: FloatTensor<Self>,
+        depth_scale: FloatTensor<Self>,
+        residual_scale: FloatTensor<Self>,
+        bias: FloatTensor<Self>,
+        streams: usize,
+        iterations: usize,
+        input_offset: f64,
+        depth_factor: f64,
+        sinkhorn_epsilon: f64,
+        numerator: f64,
+        offset: f64,
+        slot: u64,
+    ) -> FloatTensor<Self>;
+
+    /// The gradients of the normalised form's six inputs, given the table's; `previous_rows`
+    /// as in [`gated_table_backward`](Self::gated_table_backward).
+    #[fusion(meta = |rows, weights, input_scale, depth_scale, residual_scale, bias, _, _, _, _, _,
+        _, _, _, _, _| (
+        rows.clone(),
+        weights.clone(),
+        input_scale.clone(),
+        depth_scale.clone(),
+        residual_scale.clone(),
+        bias.clone(),
+    ))]
+    #[allow(clippy::too_many_arguments, clippy::type_complexity)]
+    fn normalised_table_backward(
+        rows: FloatTensor<Self>,
+        weights: FloatTensor<Self>,
+        input_scale: FloatTensor<Self>,
+        depth_scale: FloatTensor<Self>,
+        residual_scale: FloatTensor<Self>,
+        bias: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        previous_rows: FloatTensor<Self>,
+        with_previous_rows: bool,
+        streams: usize,
+        iterations: usize,
+        input_offset: f64,
+        depth_factor: f64,
+        sinkhorn_epsilon: f64,
+        numerator: f64,
+        offset: f64,
+    ) -> (
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+    );
+}
+
+/// The gated form's constants.
+#[derive(Debug, Clone, Copy)]
+struct GatedConstants {
+    tanh: bool,
+    scale: RowScale,
+    slot: u64,
+}
+
+#[derive(Debug)]
+struct GatedTable;
+
+impl<B: ConnectionTableBackend> Backward<B, 8> for GatedTable {
+    type State = ([NodeId; 8], GatedConstants);
+
+    fn backward(
+        self,
+        ops: Ops<Self::State, 8>,
+        grads: &mut Gradients,
+        checkpointer: &mut Checkpointer,
+    ) {
+        let grad = grads.consume::<B>(&ops.node);
+        let (nodes, GatedConstants { tanh, scale, slot }) = ops.state;
+        let [rows, mw, dw, gain, ms, ds, mst, dst] =
+            nodes.map(|id| checkpointer.retrieve_node_output(id));
+        // The units' gradient the two mixes left, added in the kernel.
+        let previous = take::<FloatTensor<B>>(slot, Part::Units);
+        let with_previous = previous.is_some();
+        let (a, b, c, d, e, f, g, h) = B::gated_table_backward(
+            rows,
+            mw,
+            dw,
+            gain,
+            ms,
+            ds,
+            mst,
+            dst,
+            grad.clone(),
+            previous.unwrap_or(grad),
+            with_previous,
+            tanh,
+            scale.numerator,
+            scale.offset,
+            scale.floor,
+        );
+        register_tracked!(grads, ops.parents, [a, b, c, d, e, f, g, h]);
+    }
+}
+
+/// The normalised form's constants.
+#[derive(Debug, Clone, Copy)]
+struct NormalisedConstants {
+    streams: usize,
+    iterations: usize,
+    input_offset: f64,
+    depth_factor: f64,
+    sinkhorn_epsilon: f64,
+    numerator: f64,
+    offset: f64,
+    slot: u64,
+}
+
+#[derive(Debug)]
+struct NormalisedTable;
+
+impl<B: ConnectionTableBackend> Backward<B, 6> for NormalisedTable {
+    type State = ([NodeId; 6], NormalisedConstants);
+
+    fn backward(
+        self,
+        ops: Ops<Self::State, 6>,
+        grads: &mut Gradients,
+        checkpointer: &mut Checkpointer,
+    ) {
+        let grad = grads.consume::<B>(&ops.node);
+        let (nodes, k) = ops.state;
+        let [
+            rows,
+            weights,
+            input_scale,
+            depth_scale,
+            residual_scale,
+            bias,
+        ] = nodes.map(|id| checkpointer.retrieve_node_output(id));
+        // The units' gradient the two mixes left, added in the kernel.
+        let previous = take::<FloatTensor<B>>(k.slot, Part::Units);
+        let with_previous = previous.is_some();
+        let (a, b, c, d, e, f) = B::normalised_table_backward(
+            rows,
+            weights,
+            input_scale,
+            depth_scale,
+            residual_scale,
+            bias,
+            grad.clone(),
+            previous.unwrap_or(grad),
+            with_previous,
+            k.streams,
+            k.iterations,
+            k.input_offset,
+            k.depth_factor,
+            k.sinkhorn_epsilon,
+            k.numerator,
+            k.offset,
+        );
+        register_tracked!(grads, ops.parents, [a, b, c, d, e, f]);
+    }
+}
+
+impl<B: ConnectionTableBackend, C: CheckpointStrategy> ConnectionTableBackend for Autodiff<B, C> {
+    fn gated_table(
+        rows: FloatTensor<Self>,
+        mixing_weights: FloatTensor<Self>,
+        depth_weights: FloatTensor<Self>,
+        gain: FloatTensor<Self>,
+        mixing_scale: FloatTensor<Self>,
+        depth_scale: FloatTensor<Self>,
+        mixing_static: FloatTensor<Self>,
+        depth_static: FloatTensor<Self>,
+        tanh: bool,
+        numerator: f64,
+        offset: f64,
+        floor: f64,
+        slot: u64,
+    ) -> FloatTensor<Self> {
+        let constants = GatedConstants {
+            tanh,
+            scale: RowScale {
+                numerator,
+                offset,
+                floor,
+            },
+            slot,
+        };
+        tracked_op::<B, C, _, _>(
+            GatedTable,
+            [
+                rows,
+                mixing_weights,
+                depth_weights,
+                gain,
+                mixing_scale,
+                depth_scale,
+                mixing_static,
+                depth_static,
+            ],
+            |[rows, mw, dw, gain, ms, ds, mst, dst]| {
+                B::gated_table(
+                    rows, mw, dw, gain, ms, ds, mst, dst, tanh, numerator, offset, floor, slot,
+                )
+            },
+            |nodes, _| (nodes, constants),
+        )
+    }
+
+    fn gated_table_backward(
+        rows: FloatTensor<Self>,
+        mixing_weights: FloatTensor<Self>,
+        depth_weights: FloatTensor<Self>,
+        gain: FloatTensor<Self>,
+        mixing_scale: FloatTensor<Self>,
+        depth_scale: FloatTensor<Self>,
+        mixing_static: FloatTensor<Self>,
+        depth_static: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        previous_rows: FloatTensor<Self>,
+        with_previous_rows: bool,
+        tanh: bool,
+        numerator: f64,
+        offset: f64,
+        floor: f64,
+    ) -> (
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+    ) {
+        // First-order only: the gradients are constants to the graph.
+        let (a, b, c, d, e, f, g, h) = B::gated_table_backward(
+            rows.into_primitive(),
+            mixing_weights.into_primitive(),
+            depth_weights.into_primitive(),
+            gain.into_primitive(),
+            mixing_scale.into_primitive(),
+            depth_scale.into_primitive(),
+            mixing_static.into_primitive(),
+            depth_static.into_primitive(),
+            grad.into_primitive(),
+            previous_rows.into_primitive(),
+            with_previous_rows,
+            tanh,
+            numerator,
+            offset,
+            floor,
+        );
+        (
+            constant::<B, C>(a),
+            constant::<B, C>(b),
+            constant::<B, C>(c),
+            constant::<B, C>(d),
+            constant::<B, C>(e),
+            constant::<B, C>(f),
+            constant::<B, C>(g),
+            constant::<B, C>(h),
+        )
+    }
+
+    fn normalised_table(
+        rows: FloatTensor<Self>,
+        weights: FloatTensor<Self>,
+        input_scale: FloatTensor<Self>,
+        depth_scale: FloatTensor<Self>,
+        residual_scale: FloatTensor<Self>,
+        bias: FloatTensor<Self>,
+        streams: usize,
+        iterations: usize,
+        input_offset: f64,
+        depth_factor: f64,
+        sinkhorn_epsilon: f64,
+        numerator: f64,
+        offset: f64,
+        slot: u64,
+    ) -> FloatTensor<Self> {
+        let constants = NormalisedConstants {
+            streams,
+            iterations,
+            input_offset,
+            depth_factor,
+            sinkhorn_epsilon,
+            numerator,
+            offset,
+            slot,
+        };
+        tracked_op::<B, C, _, _>(
+            NormalisedTable,
+            [
+                rows,
+                weights,
+                input_scale,
+                depth_scale,
+                residual_scale,
+                bias,
+            ],
+            |[rows, weights, a_in, a_depth, a_res, bias]| {
+                B::normalised_table(
+                    rows,
+                    weights,
+                    a_in,
+                    a_depth,
+                    a_res,
+                    bias,
+                    streams,
+                    iterations,
+                    input_offset,
+                    depth_factor,
+                    sinkhorn_epsilon,
+                    numerator,
+                    offset,
+                    slot,
+                )
+            },
+            |nodes, _| (nodes, constants),
+        )
+    }
+
+    fn normalised_table_backward(
+        rows: FloatTensor<Self>,
+        weights: FloatTensor<Self>,
+        input_scale: FloatTensor<Self>,
+        depth_scale: FloatTensor<Self>,
+        residual_scale: FloatTensor<Self>,
+        bias: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        previous_rows: FloatTensor<Self>,
+        with_previous_rows: bool,
+        streams: usize,
+        iterations: usize,
+        input_offset: f64,
+        depth_factor: f64,
+        sinkhorn_epsilon: f64,
+        numerator: f64,
+        offset: f64,
+    ) -> (
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+    ) {
+        // First-order only: the gradients are constants to the graph.
+        let (a, b, c, d, e, f) = B::normalised_table_backward(
+            rows.into_primitive(),
+            weights.into_primitive(),
+            input_scale.into_primitive(),
+            depth_scale.into_primitive(),
+            residual_scale.into_primitive(),
+            bias.into_primitive(),
+            grad.into_primitive(),
+            previous_rows.into_primitive(),
+            with_previous_rows,
+            streams,
+            iterations,
+            input_offset,
+            depth_factor,
+            sinkhorn_epsilon,
+            numerator,
+            offset,
+        );
+        (
+            constant::<B, C>(a),
+            constant::<B, C>(b),
+            constant::<B, C>(c),
+            constant::<B, C>(d),
+            constant::<B, C>(e),
+            constant::<B, C>(f),
+        )
+    }
+}

@@ -1,0 +1,924 @@
+//! The connection tables on the CubeCL backends (see the parent module for the math).
+
+use burn::backend::cubecl::dtype_to_storage_type;
+use burn::backend::ops::FloatTensorOps;
+use burn::backend::tensor::FloatTensor;
+use burn::tensor::Shape;
+use burn_cubecl::CubeBackend;
+use burn_cubecl::kernel::into_contiguous;
+use burn_cubecl::tensor::CubeTensor;
+use cubecl::{CubeCount, CubeDim};
+
+use super::ConnectionTableBackend;
+use crate::backend::cube_launch::{Cube, empty, per_item, threads_for};
+use crate::backend::kernel_constant;
+use kernels::{
+    gated_backward_kernel, gated_finish_kernel, gated_forward_kernel, normalised_backward_kernel,
+    normalised_finish_kernel, normalised_forward_kernel,
+};
+
+/// Units per cube of the per-row kernels (at most).
+const MOST_THREADS: usize = 64;
+
+/// Units per cube of the kernels that sum over the tokens.
+const SUM_THREADS: usize = 256;
+
+/// `H = xᵀ (s ⊙ δ)`: a skinny product, Burn's tuned matmul.
+fn weights_product(rows: CubeTensor, scaled_grad: CubeTensor) -> CubeTensor {
+    Cube::float_matmul(Cube::float_swap_dims(rows, 0, 1), scaled_grad)
+}
+
+/// One cube per item, `threads` units each, for the summing kernels.
+fn cubes(count: usize, threads: usize) -> (CubeCount, CubeDim) {
+    (
+        CubeCount::Static(count as u32, 1, 1),
+        CubeDim::new_1d(threads as u32),
+    )
+}
+
+impl ConnectionTableBackend for CubeBackend {
+    fn gated_table(
+        rows: FloatTensor<Self>,
+        mixing_weights: FloatTensor<Self>,
+        depth_weights: FloatTensor<Self>,
+        gain: FloatTensor<Self>,
+        mixing_scale: FloatTensor<Self>,
+        depth_scale: FloatTensor<Self>,
+        mixing_static: FloatTensor<Self>,
+        depth_static: FloatTensor<Self>,
+        tanh: bool,
+        numerator: f64,
+        offset: f64,
+        floor: f64,
+        _slot: u64,
+    ) -> FloatTensor<Self> {
+        let rows = into_contiguous(rows);
+        let [count, _] = rows.meta.shape().dims::<2>();
+        let columns = mixing_weights.meta.shape()[1];
+        let units = mixing_static.meta.shape()[0];
+        let table = empty(&rows, Shape::new([count / units, columns + 1, units]));
+        let threads = threads_for(&rows, columns + 2, MOST_THREADS);
+        let (launch_cubes, dim) = per_item(&rows, count, threads);
+        gated_forward_kernel::launch(
+            &rows.client,
+            launch_cubes,
+            dim,
+            rows.clone().into_tensor_arg(),
+            into_contiguous(mixing_weights).into_tensor_arg(),
+            into_contiguous(depth_weights).into_tensor_arg(),
+            into_contiguous(gain).into_tensor_arg(),
+            mixing_scale.into_tensor_arg(),
+            depth_scale.into_tensor_arg(),
+            into_contiguous(mixing_static).into_tensor_arg(),
+            into_contiguous(depth_static).into_tensor_arg(),
+            table.clone().into_tensor_arg(),
+            columns,
+            units,
+            threads,
+            tanh,
+            kernel_constant(numerator),
+            kernel_constant(offset),
+            kernel_constant(floor),
+            dtype_to_storage_type(rows.dtype),
+        );
+        table
+    }
+
+    fn gated_table_backward(
+        rows: FloatTensor<Self>,
+        mixing_weights: FloatTensor<Self>,
+        depth_weights: FloatTensor<Self>,
+        gain: FloatTensor<Self>,
+        mixing_scale: FloatTensor<Self>,
+        depth_scale: FloatTensor<Self>,
+        mixing_static: FloatTensor<Self>,
+        _depth_static: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        previous_rows: FloatTensor<Self>,
+        with_previous_rows: bool,
+        tanh: bool,
+        numerator: f64,
+        offset: f64,
+        floor: f64,
+    ) -> (
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+    ) {
+        let rows = into_contiguous(rows);
+        let mixing_weights = into_contiguous(mixing_weights);
+        let depth_weights = into_contiguous(depth_weights);
+        let gain = into_contiguous(gain);
+        let grad = into_contiguous(grad);
+        let [count, width] = rows.meta.shape().dims::<2>();
+        let columns = mixing_weights.meta.shape()[1];
+        let units = mixing_static.meta.shape()[0];
+        let grad_rows = empty(&rows, Shape::new([count, width]));
+        let scaled_grad = empty(&rows, Shape::new([count, columns + 1]));
+        let partials = empty(&rows, Shape::new([count, 2]));
+        let threads = threads_for(&rows, columns + 2, MOST_THREADS);
+        let (launch_cubes, dim) = per_item(&rows, count, threads);
+        gated_backward_kernel::launch(
+            &rows.client,
+            launch_cubes,
+            dim,
+            rows.clone().into_tensor_arg(),
+            mixing_weights.clone().into_tensor_arg(),
+            depth_weights.clone().into_tensor_arg(),
+            gain.clone().into_tensor_arg(),
+            mixing_scale.clone().into_tensor_arg(),
+            depth_scale.clone().into_tensor_arg(),
+            grad.clone().into_tensor_arg(),
+            into_contiguous(previous_rows).into_tensor_arg(),
+            grad_rows.clone().into_tensor_arg(),
+            scaled_grad.clone().into_tensor_arg(),
+            partials.clone().into_tensor_arg(),
+            columns,
+            units,
+            threads,
+            tanh,
+            with_previous_rows,
+            kernel_constant(numerator),
+            kernel_constant(offset),
+            kernel_constant(floor),
+            dtype_to_storage_type(rows.dtype),
+        );
+        let product = weights_product(rows.clone(), scaled_grad);
+        let grad_mixing_weights = empty(&rows, Shape::new([width, columns]));
+        let grad_depth_weights = empty(&rows, Shape::new([width]));
+        let grad_gain = empty(&rows, Shape::new([width]));
+        let grad_mixing_scale = empty(&rows, Shape::new([1]));
+        let grad_depth_scale = empty(&rows, Shape::new([1]));
+        let grad_mixing_static = empty(&rows, Shape::new([units, columns]));
+        let grad_depth_static = empty(&rows, Shape::new([units]));
+        let row_cubes = width.div_ceil(SUM_THREADS);
+        let (launch_cubes, dim) = cubes(row_cubes + (columns + 1) * units + 2, SUM_THREADS);
+        gated_finish_kernel::launch(
+            &rows.client,
+            launch_cubes,
+            dim,
+            product.into_tensor_arg(),
+            mixing_weights.into_tensor_arg(),
+            depth_weights.into_tensor_arg(),
+            gain.into_tensor_arg(),
+            grad.into_tensor_arg(),
+            partials.into_tensor_arg(),
+            grad_mixing_weights.clone().into_tensor_arg(),
+            grad_depth_weights.clone().into_tensor_arg(),
+            grad_gain.clone().into_tensor_arg(),
+            grad_mixing_scale.clone().into_tensor_arg(),
+            grad_depth_scale.clone().into_tensor_arg(),
+            grad_mixing_static.clone().into_tensor_arg(),
+            grad_depth_static.clone().into_tensor_arg(),
+            columns,
+            units,
+            row_cubes,
+            SUM_THREADS,
+            dtype_to_storage_type(rows.dtype),
+        );
+        (
+            grad_rows,
+            grad_mixing_weights,
+            grad_depth_weights,
+            grad_gain,
+            grad_mixing_scale,
+            grad_depth_scale,
+            grad_mixing_static,
+            grad_depth_static,
+        )
+    }
+
+    fn normalised_table(
+        rows: FloatTensor<Self>,
+        weights: FloatTensor<Self>,
+        input_scale: FloatTensor<Self>,
+        depth_scale: FloatTensor<Self>,
+        residual_scale: FloatTensor<Self>,
+        bias: FloatTensor<Self>,
+        streams: usize,
+        iterations: usize,
+        input_offset: f64,
+        depth_factor: f64,
+        sinkhorn_epsilon: f64,
+        numerator: f64,
+        offset: f64,
+        _slot: u64,
+    ) -> FloatTensor<Self> {
+        let rows = into_contiguous(rows);
+        let tokens = rows.meta.shape()[0];
+        let columns = 2 * streams + streams * streams;
+        let table = empty(&rows, Shape::new([tokens, streams + 2, streams]));
+        let threads = threads_for(&rows, columns + 1, MOST_THREADS);
+        let (launch_cubes, dim) = per_item(&rows, tokens, threads);
+        normalised_forward_kernel::launch(
+            &rows.client,
+            launch_cubes,
+            dim,
+            rows.clone().into_tensor_arg(),
+            into_contiguous(weights).into_tensor_arg(),
+            input_scale.into_tensor_arg(),
+            depth_scale.into_tensor_arg(),
+            residual_scale.into_tensor_arg(),
+            into_contiguous(bias).into_tensor_arg(),
+            table.clone().into_tensor_arg(),
+            streams,
+            iterations,
+            threads,
+            kernel_constant(input_offset),
+            kernel_constant(depth_factor),
+            kernel_constant(sinkhorn_epsilon),
+            kernel_constant(numerator),
+            kernel_constant(offset),
+            dtype_to_storage_type(rows.dtype),
+        );
+        table
+    }
+
+    fn normalised_table_backward(
+        rows: FloatTensor<Self>,
+        weights: FloatTensor<Self>,
+        input_scale: FloatTensor<Self>,
+        depth_scale: FloatTensor<Self>,
+        residual_scale: FloatTensor<Self>,
+        bias: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        previous_rows: FloatTensor<Self>,
+        with_previous_rows: bool,
+        streams: usize,
+        iterations: usize,
+        input_offset: f64,
+        depth_factor: f64,
+        sinkhorn_epsilon: f64,
+        numerator: f64,
+        offset: f64,
+    ) -> (
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+    ) {
+        let rows = into_contiguous(rows);
+        let [tokens, width] = rows.meta.shape().dims::<2>();
+        let columns = 2 * streams + streams * streams;
+        let grad_rows = empty(&rows, Shape::new([tokens, width]));
+        let scaled_grad = empty(&rows, Shape::new([tokens, columns]));
+        let partials = empty(&rows, Shape::new([tokens, columns + 3]));
+        let threads = threads_for(&rows, columns + 1, MOST_THREADS);
+        let (launch_cubes, dim) = per_item(&rows, tokens, threads);
+        normalised_backward_kernel::launch(
+            &rows.client,
+            launch_cubes,
+            dim,
+            rows.clone().into_tensor_arg(),
+            into_contiguous(weights).into_tensor_arg(),
+            input_scale.into_tensor_arg(),
+            depth_scale.into_tensor_arg(),
+            residual_scale.into_tensor_arg(),
+            into_contiguous(bias).into_tensor_arg(),
+            into_contiguous(grad).into_tensor_arg(),
+            into_contiguous(previous_rows).into_tensor_arg(),
+            grad_rows.clone().into_tensor_arg(),
+            scaled_grad.clone().into_tensor_arg(),
+            partials.clone().into_tensor_arg(),
+            streams,
+            iterations,
+            threads,
+            with_previous_rows,
+            kernel_constant(input_offset),
+            kernel_constant(depth_factor),
+            kernel_constant(sinkhorn_epsilon),
+            kernel_constant(numerator),
+            kernel_constant(offset),
+            dtype_to_storage_type(rows.dtype),
+        );
+        let grad_weights = weights_product(rows.clone(), scaled_grad);
+        let grad_input_scale = empty(&rows, Shape::new([1]));
+        let grad_depth_scale = empty(&rows, Shape::new([1]));
+        let grad_residual_scale = empty(&rows, Shape::new([1]));
+        let grad_bias = empty(&rows, Shape::new([columns]));
+        let (launch_cubes, dim) = cubes(columns + 3, SUM_THREADS);
+        normalised_finish_kernel::launch(
+            &rows.client,
+            launch_cubes,
+            dim,
+            partials.into_tensor_arg(),
+            grad_input_scale.clone().into_tensor_arg(),
+            grad_depth_scale.clone().into_tensor_arg(),
+            grad_residual_scale.clone().into_tensor_arg(),
+            grad_bias.clone().into_tensor_arg(),
+            streams,
+            SUM_THREADS,
+            dtype_to_storage_type(rows.dtype),
+        );
+        (
+            grad_rows,
+            grad_weights,
+            grad_input_scale,
+            grad_depth_scale,
+            grad_residual_scale,
+            grad_bias,
+        )
+    }
+}
+
+mod kernels {
+    use cubecl::prelude::*;
+
+    use crate::backend::cube_launch::kernels::{constant, row_scale, row_slope, sum_over_cube};
+    use crate::backend::sinkhorn::cube::kernels::{sinkhorn_backward, sinkhorn_forward};
+
+    #[cube]
+    fn sigmoid<E: Float>(z: E) -> E {
+        E::new(1.0) / (E::new(1.0) + (E::new(0.0) - z).exp())
+    }
+
+    /// The row's `x W̃` for the gated form's `columns + 1` projections, then its sum of squares,
+    /// summed over the cube into the first `columns + 2` entries of `shared`.
+    #[cube]
+    #[allow(clippy::too_many_arguments)]
+    fn gated_projection<E: Float>(
+        rows: &Tensor<E>,
+        mixing_weights: &Tensor<E>,
+        depth_weights: &Tensor<E>,
+        gain: &Tensor<E>,
+        row: usize,
+        shared: &mut Shared<[E]>,
+        #[comptime] columns: usize,
+        #[comptime] threads: usize,
+    ) {
+        let width = rows.shape(1);
+        let unit = UNIT_POS as usize;
+        let slots = comptime!(columns + 2);
+        let mut partial = Array::<E>::new(slots);
+        for c in 0..slots {
+            partial[c] = E::new(0.0);
+        }
+        let mut j = unit;
+        while j < width {
+            let x = rows[row * width + j];
+            let scaled = x * (E::new(1.0) + gain[j]);
+            for c in 0..columns {
+                partial[c] += scaled * mixing_weights[j * columns + c];
+            }
+            partial[columns] += scaled * depth_weights[j];
+            partial[comptime!(columns + 1)] += x * x;
+            j += threads;
+        }
+        for c in 0..slots {
+            shared[unit * slots + c] = partial[c];
+        }
+        sync_cube();
+        sum_over_cube::<E>(shared, slots);
+    }
+
+    /// `act(p)`: `tanh` or the identity.
+    #[cube]
+    fn activation<E: Float>(p: E, #[comptime] tanh: bool) -> E {
+        let mut value = p;
+        if comptime!(tanh) {
+            value = p.tanh();
+        }
+        value
+    }
+
+    /// `act'(p)` from `act(p)`.
+    #[cube]
+    fn activation_slope<E: Float>(value: E, #[comptime] tanh: bool) -> E {
+        let mut slope = E::new(1.0);
+        if comptime!(tanh) {
+            slope = E::new(1.0) - value * value;
+        }
+        slope
+    }
+
+    #[cube(launch)]
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn gated_forward_kernel<E: Float>(
+        rows: &Tensor<E>,
+        mixing_weights: &Tensor<E>,
+        depth_weights: &Tensor<E>,
+        gain: &Tensor<E>,
+        mixing_scale: &Tensor<E>,
+        depth_scale: &Tensor<E>,
+        mixing_static: &Tensor<E>,
+        depth_static: &Tensor<E>,
+        table: &mut Tensor<E>,
+        #[comptime] columns: usize,
+        #[comptime] units: usize,
+        #[comptime] threads: usize,
+        #[comptime] tanh: bool,
+        #[comptime] numerator_bits: u32,
+        #[comptime] offset_bits: u32,
+        #[comptime] floor_bits: u32,
+        #[define(E)] _dtype: ElemType,
+    ) {
+        let row = CUBE_POS;
+        if row >= rows.shape(0) {
+            terminate!();
+        }
+        let mut shared = Shared::<[E]>::new_slice(comptime!(threads * (columns + 2)));
+        gated_projection::<E>(
+            rows,
+            mixing_weights,
+            depth_weights,
+            gain,
+            row,
+            &mut shared,
+            columns,
+            threads,
+        );
+        let scale = row_scale::<E>(
+            shared[comptime!(columns + 1)].sqrt(),
+            numerator_bits,
+            offset_bits,
+            floor_bits,
+        );
+        let t = row / units;
+        let q = row % units;
+        let mut c = UNIT_POS as usize;
+        while c <= columns {
+            let value = activation::<E>(shared[c] * scale, tanh);
+            let entry = if c < columns {
+                mixing_scale[0] * value + mixing_static[q * columns + c]
+            } else {
+                depth_scale[0] * value + depth_static[q]
+            };
+            table[(t * comptime!(columns + 1) + c) * units + q] = entry;
+            c += threads;
+        }
+    }
+
+    #[cube(launch)]
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn gated_backward_kernel<E: Float>(
+        rows: &Tensor<E>,
+        mixing_weights: &Tensor<E>,
+        depth_weights: &Tensor<E>,
+        gain: &Tensor<E>,
+        mixing_scale: &Tensor<E>,
+        depth_scale: &Tensor<E>,
+        grad: &Tensor<E>,
+        previous_rows: &Tensor<E>,
+        grad_rows: &mut Tensor<E>,
+        scaled_grad: &mut Tensor<E>,
+        partials: &mut Tensor<E>,
+        #[comptime] columns: usize,
+        #[comptime] units: usize,
+        #[comptime] threads: usize,
+        #[comptime] tanh: bool,
+        #[comptime] with_previous_rows: bool,
+        #[comptime] numerator_bits: u32,
+        #[comptime] offset_bits: u32,
+        #[comptime] floor_bits: u32,
+        #[define(E)] _dtype: ElemType,
+    ) {
+        let row = CUBE_POS;
+        if row >= rows.shape(0) {
+            terminate!();
+        }
+        let width = rows.shape(1);
+        let unit = UNIT_POS as usize;
+        let mut shared = Shared::<[E]>::new_slice(comptime!(threads * (columns + 2)));
+        gated_projection::<E>(
+            rows,
+            mixing_weights,
+            depth_weights,
+            gain,
+            row,
+            &mut shared,
+            columns,
+            threads,
+        );
+        let norm = shared[comptime!(columns + 1)].sqrt();
+        let scale = row_scale::<E>(norm, numerator_bits, offset_bits, floor_bits);
+        let slope = row_slope::<E>(norm, scale, offset_bits, floor_bits);
+        let t = row / units;
+        let q = row % units;
+        // δ_c = g_c · m · act'(p_c), in every unit; the scalars' partial sums of g · act(p).
+        let mut delta = Array::<E>::new(comptime!(columns + 1));
+        let mut along = E::new(0.0);
+        let mut mixing_sum = E::new(0.0);
+        let mut depth_sum = E::new(0.0);
+        for c in 0..comptime!(columns + 1) {
+            let value = activation::<E>(shared[c] * scale, tanh);
+            let derivative = activation_slope::<E>(value, tanh);
+            let g = grad[(t * comptime!(columns + 1) + c) * units + q];
+            let mut factor = mixing_scale[0];
+            if c < columns {
+                mixing_sum += g * value;
+            } else {
+                factor = depth_scale[0];
+                depth_sum += g * value;
+            }
+            let d = g * factor * derivative;
+            delta[c] = d;
+            along += shared[c] * d;
+        }
+        along *= slope;
+        if unit == 0 {
+            partials[row * 2] = mixing_sum;
+            partials[row * 2 + 1] = depth_sum;
+        }
+        let mut c = unit;
+        while c <= columns {
+            scaled_grad[row * comptime!(columns + 1) + c] = delta[c] * scale;
+            c += threads;
+        }
+        let mut j = unit;
+        while j < width {
+            let mut total = depth_weights[j] * delta[columns];
+            for k in 0..columns {
+                total += mixing_weights[j * columns + k] * delta[k];
+            }
+            let at = row * width + j;
+            let mut value = scale * (E::new(1.0) + gain[j]) * total + along * rows[at];
+            if comptime!(with_previous_rows) {
+                value += previous_rows[at];
+            }
+            grad_rows[at] = value;
+            j += threads;
+        }
+    }
+
+    /// This unit's part of `Σ_i tensor[start + i · stride]` for `i < count`.
+    #[cube]
+    fn strided_part<E: Float>(
+        tensor: &Tensor<E>,
+        start: usize,
+        stride: usize,
+        count: usize,
+        #[comptime] threads: usize,
+    ) -> E {
+        let mut total = E::new(0.0);
+        let mut i = UNIT_POS as usize;
+        while i < count {
+            total += tensor[start + i * stride];
+            i += threads;
+        }
+        total
+    }
+
+    /// The sum over the cube of every unit's `part` (in every unit).
+    #[cube]
+    fn cube_total<E: Float>(part: E, shared: &mut Shared<[E]>) -> E {
+        shared[UNIT_POS as usize] = part;
+        sync_cube();
+        sum_over_cube::<E>(shared, 1usize);
+        shared[0]
+    }
+
+    /// Cubes `0..row_cubes`: `∂W`, `∂v`, `∂γ` from `H`, one unit per row of `W`; then one cube
+    /// per entry of `A` and `b` (sums of the table's gradient over the tokens) and one per
+    /// scalar (sums of the per-row partials).
+    #[cube(launch)]
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn gated_finish_kernel<E: Float>(
+        product: &Tensor<E>,
+        mixing_weights: &Tensor<E>,
+        depth_weights: &Tensor<E>,
+        gain: &Tensor<E>,
+        grad: &Tensor<E>,
+        partials: &Tensor<E>,
+        grad_mixing_weights: &mut Tensor<E>,
+        grad_depth_weights: &mut Tensor<E>,
+        grad_gain: &mut Tensor<E>,
+        grad_mixing_scale: &mut Tensor<E>,
+        grad_depth_scale: &mut Tensor<E>,
+        grad_mixing_static: &mut Tensor<E>,
+        grad_depth_static: &mut Tensor<E>,
+        #[comptime] columns: usize,
+        #[comptime] units: usize,
+        #[comptime] row_cubes: usize,
+        #[comptime] threads: usize,
+        #[define(E)] _dtype: ElemType,
+    ) {
+        let cube = CUBE_POS;
+        let unit = UNIT_POS as usize;
+        let entries = grad.shape(1) * grad.shape(2);
+        let mut shared = Shared::<[E]>::new_slice(threads);
+        if cube < row_cubes {
+            let j = cube * threads + unit;
+            if j < gain.len() {
+                let g = E::new(1.0) + gain[j];
+                let mut total = E::new(0.0);
+                for c in 0..columns {
+                    let h = product[j * comptime!(columns + 1) + c];
+                    grad_mixing_weights[j * columns + c] = g * h;
+                    total += mixing_weights[j * columns + c] * h;
+                }
+                let h = product[j * comptime!(columns + 1) + columns];
+                grad_depth_weights[j] = g * h;
+                grad_gain[j] = total + depth_weights[j] * h;
+            }
+        }
+        // The sums (a cube of `W`'s rows takes part with nothing): entry k = c · U + q of the
+        // table's gradient over the tokens, or a scalar's column of the per-row partials.
+        let mut k = 0usize;
+        let mut part = E::new(0.0);
+        if cube >= row_cubes {
+            k = cube - row_cubes;
+            if k < entries {
+                part = strided_part::<E>(grad, k, entries, grad.shape(0), threads);
+            } else {
+                part = strided_part::<E>(partials, k - entries, 2usize, partials.shape(0), threads);
+            }
+        }
+        let total = cube_total::<E>(part, &mut shared);
+        if cube >= row_cubes && unit == 0 {
+            if k < entries {
+                let c = k / units;
+                let q = k % units;
+                if c < columns {
+                    grad_mixing_static[q * columns + c] = total;
+                } else {
+                    grad_depth_static[q] = total;
+                }
+            } else if k == entries {
+                grad_mixing_scale[0] = total;
+            } else {
+                grad_depth_scale[0] = total;
+            }
+        }
+    }
+
+    /// The row's `x Φ` for the normalised form's `2n + n²` columns, then its sum of squares,
+    /// summed over the cube into the first `2n + n² + 1` entries of `shared`.
+    #[cube]
+    fn normalised_projection<E: Float>(
+        rows: &Tensor<E>,
+        weights: &Tensor<E>,
+        row: usize,
+        shared: &mut Shared<[E]>,
+        #[comptime] columns: usize,
+        #[comptime] threads: usize,
+    ) {
+        let width = rows.shape(1);
+        let unit = UNIT_POS as usize;
+        let slots = comptime!(columns + 1);
+        let mut partial = Array::<E>::new(slots);
+        for c in 0..slots {
+            partial[c] = E::new(0.0);
+        }
+        let mut j = unit;
+        while j < width {
+            let x = rows[row * width + j];
+            for c in 0..columns {
+                partial[c] += x * weights[j * columns + c];
+            }
+            partial[columns] += x * x;
+            j += threads;
+        }
+        for c in 0..slots {
+            shared[unit * slots + c] = partial[c];
+        }
+        sync_cube();
+        sum_over_cube::<E>(shared, slots);
+    }
+
+    /// `z = α_g · s · xΦ + c` from the summed projection in `shared`.
+    #[cube]
+    #[allow(clippy::too_many_arguments)]
+    fn logits<E: Float>(
+        shared: &Shared<[E]>,
+        scale: E,
+        input_scale: E,
+        depth_scale: E,
+        residual_scale: E,
+        bias: &Tensor<E>,
+        #[comptime] n: usize,
+    ) -> Array<E> {
+        let columns = comptime!(2 * n + n * n);
+        let mut z = Array::<E>::new(columns);
+        for c in 0..columns {
+            let mut factor = residual_scale;
+            if c < n {
+                factor = input_scale;
+            } else if c < 2 * n {
+                factor = depth_scale;
+            }
+            z[c] = factor * scale * shared[c] + bias[c];
+        }
+        z
+    }
+
+    #[cube(launch)]
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn normalised_forward_kernel<E: Float>(
+        rows: &Tensor<E>,
+        weights: &Tensor<E>,
+        input_scale: &Tensor<E>,
+        depth_scale: &Tensor<E>,
+        residual_scale: &Tensor<E>,
+        bias: &Tensor<E>,
+        table: &mut Tensor<E>,
+        #[comptime] n: usize,
+        #[comptime] iterations: usize,
+        #[comptime] threads: usize,
+        #[comptime] input_offset_bits: u32,
+        #[comptime] depth_factor_bits: u32,
+        #[comptime] epsilon_bits: u32,
+        #[comptime] numerator_bits: u32,
+        #[comptime] offset_bits: u32,
+        #[define(E)] _dtype: ElemType,
+    ) {
+        let row = CUBE_POS;
+        if row >= rows.shape(0) {
+            terminate!();
+        }
+        let columns = comptime!(2 * n + n * n);
+        let mut shared = Shared::<[E]>::new_slice(comptime!(threads * (2 * n + n * n + 1)));
+        normalised_projection::<E>(rows, weights, row, &mut shared, columns, threads);
+        if UNIT_POS == 0 {
+            let scale = row_scale::<E>(shared[columns].sqrt(), numerator_bits, offset_bits, 0u32);
+            let z = logits::<E>(
+                &shared,
+                scale,
+                input_scale[0],
+                depth_scale[0],
+                residual_scale[0],
+                bias,
+                n,
+            );
+            let base = row * comptime!((n + 2) * n);
+            for k in 0..n {
+                table[base + k] = sigmoid::<E>(z[k]) + constant::<E>(input_offset_bits);
+                table[base + comptime!((n + 1) * n) + k] =
+                    constant::<E>(depth_factor_bits) * sigmoid::<E>(z[n + k]);
+            }
+            let mut residual = Array::<E>::new(comptime!(n * n));
+            for k in 0..comptime!(n * n) {
+                residual[k] = z[comptime!(2 * n) + k];
+            }
+            let mut matrix = Array::<E>::new(comptime!(n * n));
+            sinkhorn_forward::<E>(
+                &residual,
+                &mut matrix,
+                n,
+                iterations,
+                constant::<E>(epsilon_bits),
+            );
+            // Row 1 + i holds column i of H_res (the weights that make unit i).
+            for k in 0..n {
+                for i in 0..n {
+                    table[base + (1 + i) * n + k] = matrix[k * n + i];
+                }
+            }
+        }
+    }
+
+    #[cube(launch)]
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn normalised_backward_kernel<E: Float>(
+        rows: &Tensor<E>,
+        weights: &Tensor<E>,
+        input_scale: &Tensor<E>,
+        depth_scale: &Tensor<E>,
+        residual_scale: &Tensor<E>,
+        bias: &Tensor<E>,
+        grad: &Tensor<E>,
+        previous_rows: &Tensor<E>,
+        grad_rows: &mut Tensor<E>,
+        scaled_grad: &mut Tensor<E>,
+        partials: &mut Tensor<E>,
+        #[comptime] n: usize,
+        #[comptime] iterations: usize,
+        #[comptime] threads: usize,
+        #[comptime] with_previous_rows: bool,
+        #[comptime] _input_offset_bits: u32,
+        #[comptime] depth_factor_bits: u32,
+        #[comptime] epsilon_bits: u32,
+        #[comptime] numerator_bits: u32,
+        #[comptime] offset_bits: u32,
+        #[define(E)] _dtype: ElemType,
+    ) {
+        let row = CUBE_POS;
+        if row >= rows.shape(0) {
+            terminate!();
+        }
+        let width = rows.shape(1);
+        let unit = UNIT_POS as usize;
+        let columns = comptime!(2 * n + n * n);
+        let mut shared = Shared::<[E]>::new_slice(comptime!(threads * (2 * n + n * n + 1)));
+        // δ (columns), then s'(n)/n · (xΦ · δ), for every unit.
+        let mut steps = Shared::<[E]>::new_slice(comptime!(2 * n + n * n + 1));
+        normalised_projection::<E>(rows, weights, row, &mut shared, columns, threads);
+        let norm = shared[columns].sqrt();
+        let scale = row_scale::<E>(norm, numerator_bits, offset_bits, 0u32);
+        if unit == 0 {
+            let (a_in, a_depth, a_res) = (input_scale[0], depth_scale[0], residual_scale[0]);
+            let z = logits::<E>(&shared, scale, a_in, a_depth, a_res, bias, n);
+            let base = row * comptime!((n + 2) * n);
+            let out = row * comptime!(2 * n + n * n + 3);
+            let mut dz = Array::<E>::new(columns);
+            for k in 0..n {
+                let pre = sigmoid::<E>(z[k]);
+                dz[k] = grad[base + k] * pre * (E::new(1.0) - pre);
+                let post = sigmoid::<E>(z[n + k]);
+                dz[n + k] = grad[base + comptime!((n + 1) * n) + k]
+                    * constant::<E>(depth_factor_bits)
+                    * post
+                    * (E::new(1.0) - post);
+            }
+            let mut residual = Array::<E>::new(comptime!(n * n));
+            let mut upstream = Array::<E>::new(comptime!(n * n));
+            for k in 0..n {
+                for i in 0..n {
+                    residual[k * n + i] = z[comptime!(2 * n) + k * n + i];
+                    upstream[k * n + i] = grad[base + (1 + i) * n + k];
+                }
+            }
+            let mut dres = Array::<E>::new(comptime!(n * n));
+            sinkhorn_backward::<E>(
+                &residual,
+                &upstream,
+                &mut dres,
+                n,
+                iterations,
+                constant::<E>(epsilon_bits),
+            );
+            for k in 0..comptime!(n * n) {
+                dz[comptime!(2 * n) + k] = dres[k];
+            }
+            let mut sums = Array::<E>::new(3usize);
+            for g in 0..3usize {
+                sums[g] = E::new(0.0);
+            }
+            let mut along = E::new(0.0);
+            for c in 0..columns {
+                let mut group = 2usize;
+                let mut factor = a_res;
+                if c < n {
+                    group = 0usize;
+                    factor = a_in;
+                } else if c < 2 * n {
+                    group = 1usize;
+                    factor = a_depth;
+                }
+                sums[group] += dz[c] * scale * shared[c];
+                partials[out + c] = dz[c];
+                let d = dz[c] * factor;
+                steps[c] = d;
+                scaled_grad[row * columns + c] = d * scale;
+                along += shared[c] * d;
+            }
+            for g in 0..3usize {
+                partials[out + columns + g] = sums[g];
+            }
+            steps[columns] = along * row_slope::<E>(norm, scale, offset_bits, 0u32);
+        }
+        sync_cube();
+        let along = steps[columns];
+        let mut j = unit;
+        while j < width {
+            let mut total = E::new(0.0);
+            for c in 0..columns {
+                total += weights[j * columns + c] * steps[c];
+            }
+            let at = row * width + j;
+            let mut value = scale * total + along * rows[at];
+            if comptime!(with_previous_rows) {
+                value += previous_rows[at];
+            }
+            grad_rows[at] = value;
+            j += threads;
+        }
+    }
+
+    /// One cube per column of `partials [T, 2n + n² + 3]`: its sum over the tokens, to `∂c`
+    /// or to one of the three scalars.
+    #[cube(launch)]
+    pub(super) fn normalised_finish_kernel<E: Float>(
+        partials: &Tensor<E>,
+        grad_input_scale: &mut Tensor<E>,
+        grad_depth_scale: &mut Tensor<E>,
+        grad_residual_scale: &mut Tensor<E>,
+        grad_bias: &mut Tensor<E>,
+        #[comptime] n: usize,
+        #[comptime] threads: usize,
+        #[define(E)] _dtype: ElemType,
+    ) {
+        let k = CUBE_POS;
+        let columns = comptime!(2 * n + n * n);
+        let mut shared = Shared::<[E]>::new_slice(threads);
+        let part = strided_part::<E>(partials, k, partials.shape(1), partials.shape(0), threads);
+        let total = cube_total::<E>(part, &mut shared);
+        if UNIT_POS == 0 {
+            if k < columns {
+                grad_bias[k] = total;
+            } else if k == columns {
+                grad_input_scale[0] = total;
+            } else if k == columns + 1 {
+                grad_depth_scale[0] = total;
+            } else {
+                grad_residual_scale[0] = total;
+            }
+        }
+    }
+}

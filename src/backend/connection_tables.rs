@@ -107,6 +107,41 @@ pub(crate) struct Normalised {
     pub row_scale: RowScale,
 }
 
+impl Gated {
+    /// Whether every input has the rows' float type (the kernels read them all as it).
+    pub(crate) fn one_float_type(&self) -> bool {
+        let dtype = self.rows.dtype();
+        [
+            self.mixing_weights.dtype(),
+            self.depth_weights.dtype(),
+            self.gain.dtype(),
+            self.mixing_scale.dtype(),
+            self.depth_scale.dtype(),
+            self.mixing_static.dtype(),
+            self.depth_static.dtype(),
+        ]
+        .into_iter()
+        .all(|other| other == dtype)
+    }
+}
+
+impl Normalised {
+    /// Whether every input has the rows' float type (the kernels read them all as it).
+    pub(crate) fn one_float_type(&self) -> bool {
+        let dtype = self.rows.dtype();
+        let [a, b, c] = &self.scales;
+        [
+            self.weights.dtype(),
+            a.dtype(),
+            b.dtype(),
+            c.dtype(),
+            self.bias.dtype(),
+        ]
+        .into_iter()
+        .all(|other| other == dtype)
+    }
+}
+
 /// The gated form's table `[T, K + 1, U]`; `slot`: the layer's gradient slot (see
 /// [`gradient_slots`](super::gradient_slots)), 0 for none.
 pub(crate) fn gated(inputs: Gated, slot: u64) -> Tensor<3> {

@@ -214,17 +214,23 @@ impl LayerOps {
 
     /// The layer's connections as one table `[T, V + U + 1, U]` through the CubeCL kernels
     /// (see [`connection_tables`](super::connection_tables)), with the gradient slot its mixes
-    /// share (see [`gradient_slots`](super::gradient_slots)), where this pass runs them; `None`
-    /// where the caller composes them.
+    /// share (see [`gradient_slots`](super::gradient_slots)), where this pass runs them and
+    /// every input has the rows' float type; `None` where the caller composes them.
     #[cfg(feature = "cube-kernels")]
     pub(crate) fn gated_table(
         &self,
         inputs: impl FnOnce() -> super::Gated,
     ) -> Option<(Tensor<3>, u64)> {
-        matches!(self.ops, UnitOps::Kernels).then(|| {
-            let slot = super::gradient_slots::new_key();
-            (super::connection_tables::gated(inputs(), slot), slot)
-        })
+        if !matches!(self.ops, UnitOps::Kernels) {
+            return None;
+        }
+        let inputs = inputs();
+        // One float type for every input: the kernels read them all as the rows' type.
+        if !inputs.one_float_type() {
+            return None;
+        }
+        let slot = super::gradient_slots::new_key();
+        Some((super::connection_tables::gated(inputs, slot), slot))
     }
 
     /// As [`gated_table`](Self::gated_table), for the normalised form.
@@ -233,10 +239,15 @@ impl LayerOps {
         &self,
         inputs: impl FnOnce() -> super::Normalised,
     ) -> Option<(Tensor<3>, u64)> {
-        matches!(self.ops, UnitOps::Kernels).then(|| {
-            let slot = super::gradient_slots::new_key();
-            (super::connection_tables::normalised(inputs(), slot), slot)
-        })
+        if !matches!(self.ops, UnitOps::Kernels) {
+            return None;
+        }
+        let inputs = inputs();
+        if !inputs.one_float_type() {
+            return None;
+        }
+        let slot = super::gradient_slots::new_key();
+        Some((super::connection_tables::normalised(inputs, slot), slot))
     }
 }
 

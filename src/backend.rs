@@ -26,7 +26,7 @@ mod autodiff;
 #[cfg(feature = "cube-kernels")]
 mod connection_tables;
 #[cfg(feature = "cube-kernels")]
-pub(crate) use connection_tables::{Gated, Normalised};
+pub(crate) use connection_tables::{Gated, Normalised, TableForm};
 #[cfg(feature = "cube-kernels")]
 mod cube_launch;
 #[cfg(feature = "flex")]

@@ -225,7 +225,7 @@ impl MixingLayer for HcMixing<'_> {
         #[cfg(feature = "cube-kernels")]
         if let Some(dynamic) = &self.layer.dynamic {
             let (_, views) = self.layer.units_and_views();
-            let table = ops.gated_table(|| {
+            let table = ops.table(|| {
                 let [tokens, count, width] = units.dims();
                 crate::backend::Gated {
                     rows: units.clone().reshape([tokens * count, width]),

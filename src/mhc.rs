@@ -288,7 +288,7 @@ impl MixingLayer for MhcMixing<'_> {
         #[cfg(feature = "cube-kernels")]
         {
             let layer = self.layer;
-            let table = ops.normalised_table(|| {
+            let table = ops.table(|| {
                 let [tokens, n, width] = units.dims();
                 crate::backend::Normalised {
                     rows: units.clone().reshape([tokens, n * width]),

@@ -107,9 +107,18 @@ pub(crate) struct Normalised {
     pub row_scale: RowScale,
 }
 
-impl Gated {
+/// A form of the table: what [`LayerOps::table`](super::LayerOps::table) makes.
+pub(crate) trait TableForm {
     /// Whether every input has the rows' float type (the kernels read them all as it).
-    pub(crate) fn one_float_type(&self) -> bool {
+    fn one_float_type(&self) -> bool;
+
+    /// The table (gated: `[T, K + 1, U]`; normalised: `[T, n + 2, n]`); `slot`: the layer's
+    /// gradient slot (see [`gradient_slots`](super::gradient_slots)), 0 for none.
+    fn table(self, slot: u64) -> Tensor<3>;
+}
+
+impl TableForm for Gated {
+    fn one_float_type(&self) -> bool {
         let dtype = self.rows.dtype();
         [
             self.mixing_weights.dtype(),
@@ -123,11 +132,40 @@ impl Gated {
         .into_iter()
         .all(|other| other == dtype)
     }
+
+    fn table(self, slot: u64) -> Tensor<3> {
+        let Gated {
+            rows,
+            mixing_weights,
+            depth_weights,
+            gain,
+            mixing_scale,
+            depth_scale,
+            mixing_static,
+            depth_static,
+            tanh,
+            row_scale,
+        } = self;
+        Tensor::from_dispatch(<Dispatch as ConnectionTableBackend>::gated_table(
+            rows.into_dispatch(),
+            mixing_weights.into_dispatch(),
+            depth_weights.into_dispatch(),
+            gain.into_dispatch(),
+            mixing_scale.into_dispatch(),
+            depth_scale.into_dispatch(),
+            mixing_static.into_dispatch(),
+            depth_static.into_dispatch(),
+            tanh,
+            row_scale.numerator,
+            row_scale.offset,
+            row_scale.floor,
+            slot,
+        ))
+    }
 }
 
-impl Normalised {
-    /// Whether every input has the rows' float type (the kernels read them all as it).
-    pub(crate) fn one_float_type(&self) -> bool {
+impl TableForm for Normalised {
+    fn one_float_type(&self) -> bool {
         let dtype = self.rows.dtype();
         let [a, b, c] = &self.scales;
         [
@@ -140,70 +178,37 @@ impl Normalised {
         .into_iter()
         .all(|other| other == dtype)
     }
-}
 
-/// The gated form's table `[T, K + 1, U]`; `slot`: the layer's gradient slot (see
-/// [`gradient_slots`](super::gradient_slots)), 0 for none.
-pub(crate) fn gated(inputs: Gated, slot: u64) -> Tensor<3> {
-    let Gated {
-        rows,
-        mixing_weights,
-        depth_weights,
-        gain,
-        mixing_scale,
-        depth_scale,
-        mixing_static,
-        depth_static,
-        tanh,
-        row_scale,
-    } = inputs;
-    Tensor::from_dispatch(<Dispatch as ConnectionTableBackend>::gated_table(
-        rows.into_dispatch(),
-        mixing_weights.into_dispatch(),
-        depth_weights.into_dispatch(),
-        gain.into_dispatch(),
-        mixing_scale.into_dispatch(),
-        depth_scale.into_dispatch(),
-        mixing_static.into_dispatch(),
-        depth_static.into_dispatch(),
-        tanh,
-        row_scale.numerator,
-        row_scale.offset,
-        row_scale.floor,
-        slot,
-    ))
-}
-
-/// The normalised form's table `[T, n + 2, n]`; `slot` as in [`gated`].
-pub(crate) fn normalised(inputs: Normalised, slot: u64) -> Tensor<3> {
-    let Normalised {
-        rows,
-        weights,
-        scales: [input_scale, depth_scale, residual_scale],
-        bias,
-        streams,
-        input_offset,
-        depth_factor,
-        sinkhorn_iterations,
-        sinkhorn_epsilon,
-        row_scale,
-    } = inputs;
-    Tensor::from_dispatch(<Dispatch as ConnectionTableBackend>::normalised_table(
-        rows.into_dispatch(),
-        weights.into_dispatch(),
-        input_scale.into_dispatch(),
-        depth_scale.into_dispatch(),
-        residual_scale.into_dispatch(),
-        bias.into_dispatch(),
-        streams,
-        sinkhorn_iterations,
-        input_offset,
-        depth_factor,
-        sinkhorn_epsilon,
-        row_scale.numerator,
-        row_scale.offset,
-        slot,
-    ))
+    fn table(self, slot: u64) -> Tensor<3> {
+        let Normalised {
+            rows,
+            weights,
+            scales: [input_scale, depth_scale, residual_scale],
+            bias,
+            streams,
+            input_offset,
+            depth_factor,
+            sinkhorn_iterations,
+            sinkhorn_epsilon,
+            row_scale,
+        } = self;
+        Tensor::from_dispatch(<Dispatch as ConnectionTableBackend>::normalised_table(
+            rows.into_dispatch(),
+            weights.into_dispatch(),
+            input_scale.into_dispatch(),
+            depth_scale.into_dispatch(),
+            residual_scale.into_dispatch(),
+            bias.into_dispatch(),
+            streams,
+            sinkhorn_iterations,
+            input_offset,
+            depth_factor,
+            sinkhorn_epsilon,
+            row_scale.numerator,
+            row_scale.offset,
+            slot,
+        ))
+    }
 }
 
 /// The connection tables (see the [module docs](self)).

@@ -66,6 +66,12 @@ pub(crate) fn column_sums(partials: CubeTensor) -> CubeTensor {
     sums
 }
 
+/// `xᵀ (s ⊙ δ)` for `rows [R, w]` and `scaled_grad [R, C]`, the gradient of a projection's
+/// weights: a skinny product, Burn's tuned matmul.
+pub(crate) fn weights_product(rows: CubeTensor, scaled_grad: CubeTensor) -> CubeTensor {
+    Cube::float_matmul(Cube::float_swap_dims(rows, 0, 1), scaled_grad)
+}
+
 /// An uninitialised contiguous tensor of `shape` on `like`'s device, of its float type.
 pub(crate) fn empty(like: &CubeTensor, shape: Shape) -> CubeTensor {
     empty_device_contiguous_dtype(like.client.clone(), like.device.clone(), shape, like.dtype)
@@ -170,6 +176,41 @@ pub(crate) mod kernels {
             slope = E::new(0.0) - scale / denominator / norm;
         }
         slope
+    }
+
+    /// Row `row` of `rows [R, w]` times `weights [w, columns]`, then its sum of squares, summed
+    /// over the cube (`threads` units striding the row) into the first `columns + 1` entries of
+    /// `shared` (`threads · (columns + 1)` entries).
+    #[cube]
+    pub(crate) fn row_projection<E: Float>(
+        rows: &Tensor<E>,
+        weights: &Tensor<E>,
+        row: usize,
+        shared: &mut Shared<[E]>,
+        #[comptime] columns: usize,
+        #[comptime] threads: usize,
+    ) {
+        let width = rows.shape(1);
+        let unit = UNIT_POS as usize;
+        let slots = comptime!(columns + 1);
+        let mut partial = Array::<E>::new(slots);
+        for c in 0..slots {
+            partial[c] = E::new(0.0);
+        }
+        let mut j = unit;
+        while j < width {
+            let x = rows[row * width + j];
+            for c in 0..columns {
+                partial[c] += x * weights[j * columns + c];
+            }
+            partial[columns] += x * x;
+            j += threads;
+        }
+        for c in 0..slots {
+            shared[unit * slots + c] = partial[c];
+        }
+        sync_cube();
+        sum_over_cube::<E>(shared, slots);
     }
 
     /// `sums[k] = Σ_c partials[c, k]`; one unit per column.

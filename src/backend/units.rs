@@ -185,7 +185,7 @@ impl LayerOps {
     /// `units [tokens, U, w]`, and the optional `β` (`[tokens | 1, R, 1]`), `h [tokens, V, w]`
     /// (row `r` receives view `r mod V`); `[tokens, R, w]`.
     ///
-    /// `slot`: the gradient slot of the layer's table (from [`table`](Self::gated_table)), 0
+    /// `slot`: the gradient slot of the layer's table (from [`table`](Self::table)), 0
     /// where its connections are not one table.
     pub(crate) fn mix(
         &self,
@@ -217,9 +217,9 @@ impl LayerOps {
     /// share (see [`gradient_slots`](super::gradient_slots)), where this pass runs them and
     /// every input has the rows' float type; `None` where the caller composes them.
     #[cfg(feature = "cube-kernels")]
-    pub(crate) fn gated_table(
+    pub(crate) fn table<F: super::TableForm>(
         &self,
-        inputs: impl FnOnce() -> super::Gated,
+        inputs: impl FnOnce() -> F,
     ) -> Option<(Tensor<3>, u64)> {
         if !matches!(self.ops, UnitOps::Kernels) {
             return None;
@@ -230,24 +230,7 @@ impl LayerOps {
             return None;
         }
         let slot = super::gradient_slots::new_key();
-        Some((super::connection_tables::gated(inputs, slot), slot))
-    }
-
-    /// As [`gated_table`](Self::gated_table), for the normalised form.
-    #[cfg(feature = "cube-kernels")]
-    pub(crate) fn normalised_table(
-        &self,
-        inputs: impl FnOnce() -> super::Normalised,
-    ) -> Option<(Tensor<3>, u64)> {
-        if !matches!(self.ops, UnitOps::Kernels) {
-            return None;
-        }
-        let inputs = inputs();
-        if !inputs.one_float_type() {
-            return None;
-        }
-        let slot = super::gradient_slots::new_key();
-        Some((super::connection_tables::normalised(inputs, slot), slot))
+        Some((inputs.table(slot), slot))
     }
 }
 

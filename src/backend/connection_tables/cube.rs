@@ -1,16 +1,14 @@
 //! The connection tables on the CubeCL backends (see the parent module for the math).
 
 use burn::backend::cubecl::dtype_to_storage_type;
-use burn::backend::ops::FloatTensorOps;
 use burn::backend::tensor::FloatTensor;
 use burn::tensor::Shape;
 use burn_cubecl::CubeBackend;
 use burn_cubecl::kernel::into_contiguous;
-use burn_cubecl::tensor::CubeTensor;
 use cubecl::{CubeCount, CubeDim};
 
 use super::ConnectionTableBackend;
-use crate::backend::cube_launch::{Cube, empty, per_item, threads_for};
+use crate::backend::cube_launch::{empty, per_item, threads_for, weights_product};
 use crate::backend::kernel_constant;
 use kernels::{
     gated_backward_kernel, gated_finish_kernel, gated_forward_kernel, normalised_backward_kernel,
@@ -22,11 +20,6 @@ const MOST_THREADS: usize = 64;
 
 /// Units per cube of the kernels that sum over the tokens.
 const SUM_THREADS: usize = 256;
-
-/// `H = xᵀ (s ⊙ δ)`: a skinny product, Burn's tuned matmul.
-fn weights_product(rows: CubeTensor, scaled_grad: CubeTensor) -> CubeTensor {
-    Cube::float_matmul(Cube::float_swap_dims(rows, 0, 1), scaled_grad)
-}
 
 /// One cube per item, `threads` units each, for the summing kernels.
 fn cubes(count: usize, threads: usize) -> (CubeCount, CubeDim) {
@@ -331,7 +324,9 @@ impl ConnectionTableBackend for CubeBackend {
 mod kernels {
     use cubecl::prelude::*;
 
-    use crate::backend::cube_launch::kernels::{constant, row_scale, row_slope, sum_over_cube};
+    use crate::backend::cube_launch::kernels::{
+        constant, row_projection, row_scale, row_slope, sum_over_cube,
+    };
     use crate::backend::sinkhorn::cube::kernels::{sinkhorn_backward, sinkhorn_forward};
 
     #[cube]
@@ -648,40 +643,6 @@ mod kernels {
         }
     }
 
-    /// The row's `x Φ` for the normalised form's `2n + n²` columns, then its sum of squares,
-    /// summed over the cube into the first `2n + n² + 1` entries of `shared`.
-    #[cube]
-    fn normalised_projection<E: Float>(
-        rows: &Tensor<E>,
-        weights: &Tensor<E>,
-        row: usize,
-        shared: &mut Shared<[E]>,
-        #[comptime] columns: usize,
-        #[comptime] threads: usize,
-    ) {
-        let width = rows.shape(1);
-        let unit = UNIT_POS as usize;
-        let slots = comptime!(columns + 1);
-        let mut partial = Array::<E>::new(slots);
-        for c in 0..slots {
-            partial[c] = E::new(0.0);
-        }
-        let mut j = unit;
-        while j < width {
-            let x = rows[row * width + j];
-            for c in 0..columns {
-                partial[c] += x * weights[j * columns + c];
-            }
-            partial[columns] += x * x;
-            j += threads;
-        }
-        for c in 0..slots {
-            shared[unit * slots + c] = partial[c];
-        }
-        sync_cube();
-        sum_over_cube::<E>(shared, slots);
-    }
-
     /// `z = α_g · s · xΦ + c` from the summed projection in `shared`.
     #[cube]
     #[allow(clippy::too_many_arguments)]
@@ -734,7 +695,7 @@ mod kernels {
         }
         let columns = comptime!(2 * n + n * n);
         let mut shared = Shared::<[E]>::new_slice(comptime!(threads * (2 * n + n * n + 1)));
-        normalised_projection::<E>(rows, weights, row, &mut shared, columns, threads);
+        row_projection::<E>(rows, weights, row, &mut shared, columns, threads);
         if UNIT_POS == 0 {
             let scale = row_scale::<E>(shared[columns].sqrt(), numerator_bits, offset_bits, 0u32);
             let z = logits::<E>(
@@ -808,7 +769,7 @@ mod kernels {
         let mut shared = Shared::<[E]>::new_slice(comptime!(threads * (2 * n + n * n + 1)));
         // δ (columns), then s'(n)/n · (xΦ · δ), for every unit.
         let mut steps = Shared::<[E]>::new_slice(comptime!(2 * n + n * n + 1));
-        normalised_projection::<E>(rows, weights, row, &mut shared, columns, threads);
+        row_projection::<E>(rows, weights, row, &mut shared, columns, threads);
         let norm = shared[columns].sqrt();
         let scale = row_scale::<E>(norm, numerator_bits, offset_bits, 0u32);
         if unit == 0 {

@@ -9,7 +9,7 @@ use burn_cubecl::kernel::into_contiguous;
 use cubecl::{CubeDim, calculate_cube_count_elemwise};
 
 use super::UnitKernelsBackend;
-use crate::backend::cube_launch::{Cube, empty, per_item, threads_for};
+use crate::backend::cube_launch::{Cube, empty, per_item, threads_for, weights_product};
 use crate::backend::kernel_constant;
 use kernels::{
     mix_backward_kernel, mix_forward_kernel, projection_backward_kernel, projection_forward_kernel,
@@ -29,13 +29,7 @@ fn mix(
     let [tokens, count, width] = units.meta.shape().dims::<3>();
     let output = empty(&units, Shape::new([tokens, rows, width]));
     let with_addend = addend.is_some();
-    let beta_row = inline_row(&addend);
-    // Without an addend (or with β in `weights`) the kernel reads no `β`: a stand-in.
-    let (beta, branch) = match addend {
-        Some((BetaAt::Own(beta), branch)) => (beta, into_contiguous(branch)),
-        Some((BetaAt::Row(_), branch)) => (weights.clone(), into_contiguous(branch)),
-        None => (weights.clone(), units.clone()),
-    };
+    let (beta, branch, beta_row) = addend_inputs(&weights, &units, &addend);
     let views = if with_addend {
         branch.meta.shape()[1]
     } else {
@@ -80,11 +74,22 @@ enum BetaAt {
     Row(usize),
 }
 
-/// The weights' row holding `β`, or `usize::MAX` where it has a tensor of its own (or none).
-fn inline_row(addend: &Option<(BetaAt, FloatTensor<Cube>)>) -> usize {
+/// What the mixing kernels read for the addend: `β`'s tensor, the branch (contiguous), and the
+/// weights' row holding `β` (`usize::MAX` where `β` has a tensor of its own, or there is no
+/// addend). Where the kernel reads no `β` tensor (or no addend), `weights` and `units` stand in.
+fn addend_inputs(
+    weights: &FloatTensor<Cube>,
+    units: &FloatTensor<Cube>,
+    addend: &Option<(BetaAt, FloatTensor<Cube>)>,
+) -> (FloatTensor<Cube>, FloatTensor<Cube>, usize) {
     match addend {
-        Some((BetaAt::Row(row), _)) => *row,
-        _ => usize::MAX,
+        Some((BetaAt::Own(beta), branch)) => {
+            (beta.clone(), into_contiguous(branch.clone()), usize::MAX)
+        }
+        Some((BetaAt::Row(row), branch)) => {
+            (weights.clone(), into_contiguous(branch.clone()), *row)
+        }
+        None => (weights.clone(), units.clone(), usize::MAX),
     }
 }
 
@@ -109,12 +114,7 @@ fn mix_backward(
     let all_rows = weights.meta.shape()[1];
     let shared_weights = weights.meta.shape()[0] == 1;
     let with_addend = addend.is_some();
-    let beta_row = inline_row(&addend);
-    let (beta, branch) = match &addend {
-        Some((BetaAt::Own(beta), branch)) => (beta.clone(), into_contiguous(branch.clone())),
-        Some((BetaAt::Row(_), branch)) => (weights.clone(), into_contiguous(branch.clone())),
-        None => (weights.clone(), units.clone()),
-    };
+    let (beta, branch, beta_row) = addend_inputs(&weights, &units, &addend);
     let own_beta = with_addend && beta_row == usize::MAX;
     let shared_beta = own_beta && beta.meta.shape()[0] == 1;
     let views = if with_addend {
@@ -258,8 +258,7 @@ impl UnitKernelsBackend for CubeBackend {
             kernel_constant(floor),
             dtype_to_storage_type(rows.dtype),
         );
-        // ∂W = xᵀ (s ⊙ ∂P): a skinny product, Burn's tuned matmul.
-        let grad_weights = Cube::float_matmul(Cube::float_swap_dims(rows, 0, 1), scaled_grad);
+        let grad_weights = weights_product(rows, scaled_grad);
         (grad_rows, grad_weights)
     }
 
@@ -377,7 +376,9 @@ impl UnitKernelsBackend for CubeBackend {
 mod kernels {
     use cubecl::prelude::*;
 
-    use crate::backend::cube_launch::kernels::{row_scale, row_slope, sum_over_cube};
+    use crate::backend::cube_launch::kernels::{
+        row_projection, row_scale, row_slope, sum_over_cube,
+    };
 
     #[cube(launch)]
     pub(super) fn projection_forward_kernel<E: Float>(
@@ -395,29 +396,9 @@ mod kernels {
         if row >= rows.shape(0) {
             terminate!();
         }
-        let width = rows.shape(1);
         let unit = UNIT_POS as usize;
-        let slots = comptime!(columns + 1);
-        // Per unit: x·W[:, c] over its part of the row, then the sum of squares.
-        let mut partial = Array::<E>::new(slots);
-        for c in 0..slots {
-            partial[c] = E::new(0.0);
-        }
-        let mut j = unit;
-        while j < width {
-            let x = rows[row * width + j];
-            for c in 0..columns {
-                partial[c] += x * weights[j * columns + c];
-            }
-            partial[columns] += x * x;
-            j += threads;
-        }
-        let mut shared = Shared::<[E]>::new_slice(comptime!(threads * slots));
-        for c in 0..slots {
-            shared[unit * slots + c] = partial[c];
-        }
-        sync_cube();
-        sum_over_cube::<E>(&mut shared, slots);
+        let mut shared = Shared::<[E]>::new_slice(comptime!(threads * (columns + 1)));
+        row_projection::<E>(rows, weights, row, &mut shared, columns, threads);
         let scale = row_scale::<E>(
             shared[columns].sqrt(),
             numerator_bits,
@@ -663,7 +644,7 @@ mod kernels {
         sync_cube();
         sum_over_cube::<E>(&mut shared, slots);
         // ∂W has every row of `weights`: this token's rows other than those read (and `β`'s)
-        // are zero.
+        // get the previous gradient, or zero.
         let all_rows = weights.shape(1);
         let token_base = t * all_rows * count;
         let mut k = unit;

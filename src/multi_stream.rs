@@ -285,6 +285,30 @@ pub(crate) fn output<const D: usize>(
 ) -> Tensor<D> {
     let layout = state.layout;
     let [tokens, _, unit_width] = state.units.dims();
+    // On the CubeCL kernels: `W S` with `W[t, f, u]` the gain where unit `u` is fraction `f` of
+    // a stream, one mix kernel forward and one backward (composed: a sum, a scale and their
+    // backward, a kernel each). `W` is uploaded, per token so that no sum over the tokens makes
+    // its (unused) gradient.
+    #[cfg(feature = "cube-kernels")]
+    if let UnitOps::Kernels = state.ops {
+        let fractions = layout.fractions;
+        let units = layout.units();
+        let gain = match reduce {
+            StreamReduce::Sum => 1.0,
+            StreamReduce::Mean => 1.0 / layout.streams as f32,
+        };
+        let row: Vec<f32> = (0..fractions)
+            .flat_map(|f| (0..units).map(move |u| if u % fractions == f { gain } else { 0.0 }))
+            .collect();
+        let data = burn::tensor::TensorData::new(row.repeat(tokens), [tokens, fractions, units]);
+        let device = state.units.device();
+        let weights = Tensor::<3>::from_data(data, (&device, state.units.dtype()));
+        return state
+            .ops
+            .layer()
+            .mix(MatrixRows::all(weights), state.units.clone(), None, 0)
+            .reshape(state.shape);
+    }
     let per_stream =
         state
             .units

@@ -129,7 +129,8 @@ impl burn::module::ModuleMapper for Perturbed {
 /// A layer's connections made through the CubeCL connection-table kernels against the composed
 /// tensor ops, on wgpu: the view rows, residual rows and `β` that `mixing` returns for random
 /// units, and the gradients of the units and of every parameter (`parameters`, read from the
-/// gradients) for the loss `Σ_k ⟨probe_k, part_k⟩`.
+/// gradients) for the loss `Σ_k ⟨probe_k, part_k⟩`; then the whole layer (block input, a block
+/// `tanh`, next units) with its mixes, values and gradients of a probe of the next units.
 #[cfg(feature = "wgpu")]
 pub fn assert_table_kernels_match_composed(
     units: &Tensor<3>,
@@ -169,8 +170,33 @@ pub fn assert_table_kernels_match_composed(
         results.extend(parameters(&grads));
         results
     };
-    let kernels = run(UnitOps::Kernels.layer());
-    let composed = run(LayerOps::composed());
+    // The whole layer: the block input `u = A_in S`, a block `h = tanh(u)`, the next units
+    // `A_res S + β h`, through the mixes that hand their gradients on in the layer's slot.
+    let run_layer = |ops: LayerOps| -> Vec<TensorData> {
+        let units = units.clone().detach().require_grad();
+        let crate::multi_stream::Mixing {
+            input,
+            residual,
+            beta,
+            slot,
+        } = mixing(&units, &ops);
+        let block_input = ops.mix(input, units.clone(), None, slot);
+        let branch = block_input.clone().tanh();
+        let next = ops.mix(residual, units.clone(), Some((beta, branch)), slot);
+        let count = next.shape().num_elements();
+        let probe: Vec<f32> = (0..count).map(|i| (i as f32 * 0.53).cos()).collect();
+        let probe = Tensor::<1>::from_data(TensorData::new(probe, [count]), &next.device())
+            .reshape(next.dims());
+        let grads = (next.clone() * probe).sum().backward();
+        let mut results = vec![block_input.into_data(), next.into_data()];
+        results.push(units.grad(&grads).expect("the units are used").into_data());
+        results.extend(parameters(&grads));
+        results
+    };
+    let mut kernels = run(UnitOps::Kernels.layer());
+    let mut composed = run(LayerOps::composed());
+    kernels.extend(run_layer(UnitOps::Kernels.layer()));
+    composed.extend(run_layer(LayerOps::composed()));
     assert_eq!(kernels.len(), composed.len());
     for (index, (kernel, composed)) in kernels.iter().zip(&composed).enumerate() {
         let largest = composed

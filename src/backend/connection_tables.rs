@@ -245,9 +245,12 @@ pub(crate) trait ConnectionTableBackend: Backend {
     ) -> FloatTensor<Self>;
 
     /// The gradients of the gated form's eight inputs, given the table's; `previous_rows`
-    /// (read where `with_previous_rows`) is added to the rows'.
+    /// (read where `with_previous_rows`) is added to the rows'. With `input_views > 0`,
+    /// `input_grad [T, input_views, w]` is the gradient of the block input `u = A_in S` that the
+    /// table's rows `0..input_views` make from the units (the rows): its parts of the table's
+    /// and the rows' gradients are added here, for the block input's backward.
     #[fusion(meta = |rows, mixing_weights, depth_weights, gain, mixing_scale, depth_scale,
-        mixing_static, depth_static, _, _, _, _, _, _, _| (
+        mixing_static, depth_static, _, _, _, _, _, _, _, _, _| (
         rows.clone(),
         mixing_weights.clone(),
         depth_weights.clone(),
@@ -270,6 +273,8 @@ pub(crate) trait ConnectionTableBackend: Backend {
         grad: FloatTensor<Self>,
         previous_rows: FloatTensor<Self>,
         with_previous_rows: bool,
+        input_grad: FloatTensor<Self>,
+        input_views: usize,
         tanh: bool,
         numerator: f64,
         offset: f64,
@@ -308,10 +313,11 @@ pub(crate) trait ConnectionTableBackend: Backend {
         slot: u64,
     ) -> FloatTensor<Self>;
 
-    /// The gradients of the normalised form's six inputs, given the table's; `previous_rows`
-    /// as in [`gated_table_backward`](Self::gated_table_backward).
+    /// The gradients of the normalised form's six inputs, given the table's; `previous_rows`,
+    /// `input_grad` (`[T, 1, C]`) and `input_views` (0 or 1) as in
+    /// [`gated_table_backward`](Self::gated_table_backward).
     #[fusion(meta = |rows, weights, input_scale, depth_scale, residual_scale, bias, _, _, _, _, _,
-        _, _, _, _, _| (
+        _, _, _, _, _, _, _| (
         rows.clone(),
         weights.clone(),
         input_scale.clone(),
@@ -330,6 +336,8 @@ pub(crate) trait ConnectionTableBackend: Backend {
         grad: FloatTensor<Self>,
         previous_rows: FloatTensor<Self>,
         with_previous_rows: bool,
+        input_grad: FloatTensor<Self>,
+        input_views: usize,
         streams: usize,
         iterations: usize,
         input_offset: f64,
@@ -345,6 +353,15 @@ pub(crate) trait ConnectionTableBackend: Backend {
         FloatTensor<Self>,
         FloatTensor<Self>,
     );
+}
+
+/// The block input's gradient and its number of views, where its backward left them in the
+/// layer's slot (else a stand-in and 0).
+fn take_input<B: ConnectionTableBackend>(
+    slot: u64,
+    grad: &FloatTensor<B>,
+) -> (FloatTensor<B>, usize) {
+    take::<(FloatTensor<B>, usize)>(slot, Part::BlockInput).unwrap_or_else(|| (grad.clone(), 0))
 }
 
 /// The gated form's constants.
@@ -371,9 +388,11 @@ impl<B: ConnectionTableBackend> Backward<B, 8> for GatedTable {
         let (nodes, GatedConstants { tanh, scale, slot }) = ops.state;
         let [rows, mw, dw, gain, ms, ds, mst, dst] =
             nodes.map(|id| checkpointer.retrieve_node_output(id));
-        // The units' gradient the two mixes left, added in the kernel.
+        // The units' gradient the next units' backward left, and the block input's gradient
+        // its backward left, added in the kernel.
         let previous = take::<FloatTensor<B>>(slot, Part::Units);
         let with_previous = previous.is_some();
+        let (input_grad, input_views) = take_input::<B>(slot, &grad);
         let (a, b, c, d, e, f, g, h) = B::gated_table_backward(
             rows,
             mw,
@@ -386,6 +405,8 @@ impl<B: ConnectionTableBackend> Backward<B, 8> for GatedTable {
             grad.clone(),
             previous.unwrap_or(grad),
             with_previous,
+            input_grad,
+            input_views,
             tanh,
             scale.numerator,
             scale.offset,
@@ -430,9 +451,10 @@ impl<B: ConnectionTableBackend> Backward<B, 6> for NormalisedTable {
             residual_scale,
             bias,
         ] = nodes.map(|id| checkpointer.retrieve_node_output(id));
-        // The units' gradient the two mixes left, added in the kernel.
+        // As in the gated form's.
         let previous = take::<FloatTensor<B>>(k.slot, Part::Units);
         let with_previous = previous.is_some();
+        let (input_grad, input_views) = take_input::<B>(k.slot, &grad);
         let (a, b, c, d, e, f) = B::normalised_table_backward(
             rows,
             weights,
@@ -443,6 +465,8 @@ impl<B: ConnectionTableBackend> Backward<B, 6> for NormalisedTable {
             grad.clone(),
             previous.unwrap_or(grad),
             with_previous,
+            input_grad,
+            input_views,
             k.streams,
             k.iterations,
             k.input_offset,
@@ -513,6 +537,8 @@ impl<B: ConnectionTableBackend, C: CheckpointStrategy> ConnectionTableBackend fo
         grad: FloatTensor<Self>,
         previous_rows: FloatTensor<Self>,
         with_previous_rows: bool,
+        input_grad: FloatTensor<Self>,
+        input_views: usize,
         tanh: bool,
         numerator: f64,
         offset: f64,
@@ -540,6 +566,8 @@ impl<B: ConnectionTableBackend, C: CheckpointStrategy> ConnectionTableBackend fo
             grad.into_primitive(),
             previous_rows.into_primitive(),
             with_previous_rows,
+            input_grad.into_primitive(),
+            input_views,
             tanh,
             numerator,
             offset,
@@ -625,6 +653,8 @@ impl<B: ConnectionTableBackend, C: CheckpointStrategy> ConnectionTableBackend fo
         grad: FloatTensor<Self>,
         previous_rows: FloatTensor<Self>,
         with_previous_rows: bool,
+        input_grad: FloatTensor<Self>,
+        input_views: usize,
         streams: usize,
         iterations: usize,
         input_offset: f64,
@@ -651,6 +681,8 @@ impl<B: ConnectionTableBackend, C: CheckpointStrategy> ConnectionTableBackend fo
             grad.into_primitive(),
             previous_rows.into_primitive(),
             with_previous_rows,
+            input_grad.into_primitive(),
+            input_views,
             streams,
             iterations,
             input_offset,

@@ -28,6 +28,8 @@ pub(crate) enum Part {
     Table,
     /// The units' gradient.
     Units,
+    /// The block input's gradient and its number of views.
+    BlockInput,
 }
 
 type Slots = HashMap<(u64, Part), Box<dyn Any + Send>>;

@@ -302,9 +302,25 @@ impl<B: UnitKernelsBackend> Backward<B, 2> for Mix {
     ) {
         let grad = grads.consume::<B>(&ops.node);
         let (nodes, [first, rows], slot) = ops.state;
-        let [weights, units] = nodes.map(|id| checkpointer.retrieve_node_output(id));
+        let [weights_parent, units_parent] = ops.parents;
         // What the next units' backward left (a table's layer), added in the kernel.
         let previous_weights = take::<FloatTensor<B>>(slot, Part::Table);
+        // In a table's layer whose next units' backward ran, the table's backward (sure to run:
+        // the table is tracked) reads the units' rows anyway: it takes this op's parts of ∂M
+        // and ∂S from ∂u itself, and this op launches nothing.
+        let (previous_weights, grad) = match (previous_weights, &weights_parent) {
+            (Some(table_grad), Some(parent)) if first == 0 => {
+                match leave(slot, Part::BlockInput, (grad, rows)) {
+                    Ok(()) => {
+                        grads.register::<B>(parent.id, table_grad);
+                        return;
+                    }
+                    Err((grad, _)) => (Some(table_grad), grad),
+                }
+            }
+            (previous_weights, _) => (previous_weights, grad),
+        };
+        let [weights, units] = nodes.map(|id| checkpointer.retrieve_node_output(id));
         let previous_units = take::<FloatTensor<B>>(slot, Part::Units);
         let (with_weights, with_units) = (previous_weights.is_some(), previous_units.is_some());
         let (grad_weights, grad_units) = B::unit_mix_backward(
@@ -318,7 +334,6 @@ impl<B: UnitKernelsBackend> Backward<B, 2> for Mix {
             with_weights,
             with_units,
         );
-        let [weights_parent, units_parent] = ops.parents;
         register_tracked!(grads, [weights_parent], [grad_weights]);
         // The table's backward, sure to run (the units are its input), adds its part of ∂S.
         if let Some(parent) = units_parent {

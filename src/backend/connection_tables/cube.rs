@@ -89,6 +89,8 @@ impl ConnectionTableBackend for CubeBackend {
         grad: FloatTensor<Self>,
         previous_rows: FloatTensor<Self>,
         with_previous_rows: bool,
+        input_grad: FloatTensor<Self>,
+        input_views: usize,
         tanh: bool,
         numerator: f64,
         offset: f64,
@@ -114,6 +116,10 @@ impl ConnectionTableBackend for CubeBackend {
         let grad_rows = empty(&rows, Shape::new([count, width]));
         let scaled_grad = empty(&rows, Shape::new([count, columns + 1]));
         let partials = empty(&rows, Shape::new([count, 2]));
+        let view_grad = empty(
+            &rows,
+            Shape::new([count / units, input_views.max(1), units]),
+        );
         let threads = threads_for(&rows, columns + 2, MOST_THREADS);
         let (launch_cubes, dim) = per_item(&rows, count, threads);
         gated_backward_kernel::launch(
@@ -126,16 +132,20 @@ impl ConnectionTableBackend for CubeBackend {
             gain.clone().into_tensor_arg(),
             mixing_scale.clone().into_tensor_arg(),
             depth_scale.clone().into_tensor_arg(),
+            into_contiguous(mixing_static.clone()).into_tensor_arg(),
             grad.clone().into_tensor_arg(),
             into_contiguous(previous_rows).into_tensor_arg(),
+            into_contiguous(input_grad).into_tensor_arg(),
             grad_rows.clone().into_tensor_arg(),
             scaled_grad.clone().into_tensor_arg(),
             partials.clone().into_tensor_arg(),
+            view_grad.clone().into_tensor_arg(),
             columns,
             units,
             threads,
             tanh,
             with_previous_rows,
+            input_views,
             kernel_constant(numerator),
             kernel_constant(offset),
             kernel_constant(floor),
@@ -161,6 +171,7 @@ impl ConnectionTableBackend for CubeBackend {
             gain.into_tensor_arg(),
             grad.into_tensor_arg(),
             partials.into_tensor_arg(),
+            view_grad.into_tensor_arg(),
             grad_mixing_weights.clone().into_tensor_arg(),
             grad_depth_weights.clone().into_tensor_arg(),
             grad_gain.clone().into_tensor_arg(),
@@ -170,6 +181,7 @@ impl ConnectionTableBackend for CubeBackend {
             grad_depth_static.clone().into_tensor_arg(),
             columns,
             units,
+            input_views,
             row_cubes,
             SUM_THREADS,
             dtype_to_storage_type(rows.dtype),
@@ -242,6 +254,8 @@ impl ConnectionTableBackend for CubeBackend {
         grad: FloatTensor<Self>,
         previous_rows: FloatTensor<Self>,
         with_previous_rows: bool,
+        input_grad: FloatTensor<Self>,
+        input_views: usize,
         streams: usize,
         iterations: usize,
         input_offset: f64,
@@ -277,6 +291,7 @@ impl ConnectionTableBackend for CubeBackend {
             into_contiguous(bias).into_tensor_arg(),
             into_contiguous(grad).into_tensor_arg(),
             into_contiguous(previous_rows).into_tensor_arg(),
+            into_contiguous(input_grad).into_tensor_arg(),
             grad_rows.clone().into_tensor_arg(),
             scaled_grad.clone().into_tensor_arg(),
             partials.clone().into_tensor_arg(),
@@ -284,6 +299,7 @@ impl ConnectionTableBackend for CubeBackend {
             iterations,
             threads,
             with_previous_rows,
+            input_views > 0,
             kernel_constant(input_offset),
             kernel_constant(depth_factor),
             kernel_constant(sinkhorn_epsilon),
@@ -450,6 +466,71 @@ mod kernels {
         }
     }
 
+    /// `⟨∂u[t, v], x_r⟩` for the `views` views of the block input, summed over the cube into
+    /// the first `views` entries of `inner` (gated rows: one unit of token `t` each).
+    #[cube]
+    #[allow(clippy::too_many_arguments)]
+    fn view_products<E: Float>(
+        rows: &Tensor<E>,
+        input_grad: &Tensor<E>,
+        row: usize,
+        t: usize,
+        width: usize,
+        inner: &mut Shared<[E]>,
+        #[comptime] views: usize,
+        #[comptime] threads: usize,
+    ) {
+        let unit = UNIT_POS as usize;
+        let mut partial = Array::<E>::new(views);
+        for v in 0..views {
+            partial[v] = E::new(0.0);
+        }
+        let mut j = unit;
+        while j < width {
+            let x = rows[row * width + j];
+            for v in 0..views {
+                partial[v] += x * input_grad[(t * views + v) * width + j];
+            }
+            j += threads;
+        }
+        for v in 0..views {
+            inner[unit * views + v] = partial[v];
+        }
+        sync_cube();
+        sum_over_cube::<E>(inner, views);
+    }
+
+    /// `⟨∂u[t], x_t[k]⟩` for each of the `n` units of a normalised row (the units flattened,
+    /// `C` wide each; one view), summed over the cube into the first `n` entries of `inner`.
+    #[cube]
+    fn unit_products<E: Float>(
+        rows: &Tensor<E>,
+        input_grad: &Tensor<E>,
+        row: usize,
+        width: usize,
+        inner: &mut Shared<[E]>,
+        #[comptime] n: usize,
+        #[comptime] threads: usize,
+    ) {
+        let unit = UNIT_POS as usize;
+        let unit_width = width / n;
+        let mut partial = Array::<E>::new(n);
+        for k in 0..n {
+            partial[k] = E::new(0.0);
+        }
+        let mut j = unit;
+        while j < width {
+            let k = j / unit_width;
+            partial[k] += rows[row * width + j] * input_grad[row * unit_width + j % unit_width];
+            j += threads;
+        }
+        for k in 0..n {
+            inner[unit * n + k] = partial[k];
+        }
+        sync_cube();
+        sum_over_cube::<E>(inner, n);
+    }
+
     #[cube(launch)]
     #[allow(clippy::too_many_arguments)]
     pub(super) fn gated_backward_kernel<E: Float>(
@@ -459,16 +540,20 @@ mod kernels {
         gain: &Tensor<E>,
         mixing_scale: &Tensor<E>,
         depth_scale: &Tensor<E>,
+        mixing_static: &Tensor<E>,
         grad: &Tensor<E>,
         previous_rows: &Tensor<E>,
+        input_grad: &Tensor<E>,
         grad_rows: &mut Tensor<E>,
         scaled_grad: &mut Tensor<E>,
         partials: &mut Tensor<E>,
+        view_grad: &mut Tensor<E>,
         #[comptime] columns: usize,
         #[comptime] units: usize,
         #[comptime] threads: usize,
         #[comptime] tanh: bool,
         #[comptime] with_previous_rows: bool,
+        #[comptime] views: usize,
         #[comptime] numerator_bits: u32,
         #[comptime] offset_bits: u32,
         #[comptime] floor_bits: u32,
@@ -496,15 +581,30 @@ mod kernels {
         let slope = row_slope::<E>(norm, scale, offset_bits, floor_bits);
         let t = row / units;
         let q = row % units;
+        // The block input's part of the table's gradient, ⟨∂u_v, x_r⟩ (see `views`).
+        let mut inner = Shared::<[E]>::new_slice(comptime!(threads * views.max(1)));
+        if comptime!(views > 0) {
+            view_products::<E>(rows, input_grad, row, t, width, &mut inner, views, threads);
+        }
         // δ_c = g_c · m · act'(p_c), in every unit; the scalars' partial sums of g · act(p).
         let mut delta = Array::<E>::new(comptime!(columns + 1));
+        let mut view_weights = Array::<E>::new(comptime!(views.max(1)));
         let mut along = E::new(0.0);
         let mut mixing_sum = E::new(0.0);
         let mut depth_sum = E::new(0.0);
         for c in 0..comptime!(columns + 1) {
             let value = activation::<E>(shared[c] * scale, tanh);
             let derivative = activation_slope::<E>(value, tanh);
-            let g = grad[(t * comptime!(columns + 1) + c) * units + q];
+            let mut g = grad[(t * comptime!(columns + 1) + c) * units + q];
+            if comptime!(views > 0) {
+                if c < views {
+                    g += inner[c];
+                    view_weights[c] = mixing_scale[0] * value + mixing_static[q * columns + c];
+                    if unit == 0 {
+                        view_grad[(t * views + c) * units + q] = g;
+                    }
+                }
+            }
             let mut factor = mixing_scale[0];
             if c < columns {
                 mixing_sum += g * value;
@@ -536,6 +636,11 @@ mod kernels {
             let mut value = scale * (E::new(1.0) + gain[j]) * total + along * rows[at];
             if comptime!(with_previous_rows) {
                 value += previous_rows[at];
+            }
+            if comptime!(views > 0) {
+                for v in 0..views {
+                    value += view_weights[v] * input_grad[(t * views + v) * width + j];
+                }
             }
             grad_rows[at] = value;
             j += threads;
@@ -581,6 +686,7 @@ mod kernels {
         gain: &Tensor<E>,
         grad: &Tensor<E>,
         partials: &Tensor<E>,
+        view_grad: &Tensor<E>,
         grad_mixing_weights: &mut Tensor<E>,
         grad_depth_weights: &mut Tensor<E>,
         grad_gain: &mut Tensor<E>,
@@ -590,6 +696,7 @@ mod kernels {
         grad_depth_static: &mut Tensor<E>,
         #[comptime] columns: usize,
         #[comptime] units: usize,
+        #[comptime] views: usize,
         #[comptime] row_cubes: usize,
         #[comptime] threads: usize,
         #[define(E)] _dtype: ElemType,
@@ -619,7 +726,11 @@ mod kernels {
         let mut part = E::new(0.0);
         if cube >= row_cubes {
             k = cube - row_cubes;
-            if k < entries {
+            let viewed = comptime!(views * units);
+            if k < viewed {
+                // The view rows' gradient, the block input's part added (see `views`).
+                part = strided_part::<E>(view_grad, k, viewed, view_grad.shape(0), threads);
+            } else if k < entries {
                 part = strided_part::<E>(grad, k, entries, grad.shape(0), threads);
             } else {
                 part = strided_part::<E>(partials, k - entries, 2usize, partials.shape(0), threads);
@@ -745,6 +856,7 @@ mod kernels {
         bias: &Tensor<E>,
         grad: &Tensor<E>,
         previous_rows: &Tensor<E>,
+        input_grad: &Tensor<E>,
         grad_rows: &mut Tensor<E>,
         scaled_grad: &mut Tensor<E>,
         partials: &mut Tensor<E>,
@@ -752,7 +864,8 @@ mod kernels {
         #[comptime] iterations: usize,
         #[comptime] threads: usize,
         #[comptime] with_previous_rows: bool,
-        #[comptime] _input_offset_bits: u32,
+        #[comptime] with_input: bool,
+        #[comptime] input_offset_bits: u32,
         #[comptime] depth_factor_bits: u32,
         #[comptime] epsilon_bits: u32,
         #[comptime] numerator_bits: u32,
@@ -767,9 +880,14 @@ mod kernels {
         let unit = UNIT_POS as usize;
         let columns = comptime!(2 * n + n * n);
         let mut shared = Shared::<[E]>::new_slice(comptime!(threads * (2 * n + n * n + 1)));
-        // δ (columns), then s'(n)/n · (xΦ · δ), for every unit.
-        let mut steps = Shared::<[E]>::new_slice(comptime!(2 * n + n * n + 1));
+        // δ (columns), then s'(n)/n · (xΦ · δ), then H_pre (n), for every unit.
+        let mut steps = Shared::<[E]>::new_slice(comptime!(3 * n + n * n + 1));
         row_projection::<E>(rows, weights, row, &mut shared, columns, threads);
+        // The block input's part of the table's gradient, ⟨∂u, x_t[k]⟩ (see `with_input`).
+        let mut inner = Shared::<[E]>::new_slice(comptime!(threads * n));
+        if comptime!(with_input) {
+            unit_products::<E>(rows, input_grad, row, width, &mut inner, n, threads);
+        }
         let norm = shared[columns].sqrt();
         let scale = row_scale::<E>(norm, numerator_bits, offset_bits, 0u32);
         if unit == 0 {
@@ -780,7 +898,12 @@ mod kernels {
             let mut dz = Array::<E>::new(columns);
             for k in 0..n {
                 let pre = sigmoid::<E>(z[k]);
-                dz[k] = grad[base + k] * pre * (E::new(1.0) - pre);
+                let mut g = grad[base + k];
+                if comptime!(with_input) {
+                    g += inner[k];
+                    steps[columns + 1 + k] = pre + constant::<E>(input_offset_bits);
+                }
+                dz[k] = g * pre * (E::new(1.0) - pre);
                 let post = sigmoid::<E>(z[n + k]);
                 dz[n + k] = grad[base + comptime!((n + 1) * n) + k]
                     * constant::<E>(depth_factor_bits)
@@ -846,6 +969,11 @@ mod kernels {
             let mut value = scale * total + along * rows[at];
             if comptime!(with_previous_rows) {
                 value += previous_rows[at];
+            }
+            if comptime!(with_input) {
+                let unit_width = width / n;
+                value += steps[columns + 1 + j / unit_width]
+                    * input_grad[row * unit_width + j % unit_width];
             }
             grad_rows[at] = value;
             j += threads;

@@ -3,6 +3,7 @@
 
 mod activation;
 pub mod ancre;
+pub mod attention_residuals;
 mod backend;
 mod block;
 pub mod compression;
@@ -34,6 +35,9 @@ pub mod transformer;
 
 pub use activation::gelu;
 pub use ancre::{Ancre, AncreConfig, AncreInit, AncreState, Mixing, ModuleLevel, Normalization};
+pub use attention_residuals::{
+    AttentionResiduals, AttentionResidualsConfig, AttentionResidualsState, AttnResOutput,
+};
 pub use block::Block;
 pub use connectivity::{Connectivity, ConnectivityConfig, StreamConnectivity, probe_matrix};
 pub use denseformer::{DenseFormer, DenseFormerConfig, DenseFormerState};

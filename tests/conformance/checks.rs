@@ -14,9 +14,9 @@ use burn_connectivity::hyperzzw::{
     Crop, LocalHyperZzw, SRenorm, SlowNet, direct_conv_1d, global_hyperzzw_1d, global_hyperzzw_2d,
 };
 use burn_connectivity::{
-    AncreConfig, AncreInit, Block, Connectivity, ConnectivityConfig, DenseFormerConfig,
-    DepthLnConfig, GateInit, HacnConfig, HyperConnectionsConfig, MhcConfig, Stack,
-    StreamConnectivity, StreamReduce, sinkhorn_knopp,
+    AncreConfig, AncreInit, AttentionResidualsConfig, AttnResOutput, Block, Connectivity,
+    ConnectivityConfig, DenseFormerConfig, DepthLnConfig, GateInit, HacnConfig,
+    HyperConnectionsConfig, MhcConfig, Stack, StreamConnectivity, StreamReduce, sinkhorn_knopp,
 };
 
 /// Absolute tolerance for forward values (f32).
@@ -62,7 +62,7 @@ pub struct Golden {
 type Checker = fn(&Golden, &Device) -> Result<Vec<Check>, String>;
 
 /// The golden files this runner knows, and the checks of each.
-pub const KNOWN_FILES: [(&str, Checker); 7] = [
+pub const KNOWN_FILES: [(&str, Checker); 8] = [
     ("hacn.safetensors", check_hacn),
     ("depth_ln.safetensors", check_depth_ln),
     ("ancre.safetensors", check_ancre),
@@ -70,6 +70,7 @@ pub const KNOWN_FILES: [(&str, Checker); 7] = [
     ("hc.safetensors", check_hc),
     ("mhc.safetensors", check_mhc),
     ("dwa.safetensors", check_dwa),
+    ("attnres.safetensors", check_attnres),
 ];
 
 /// Runs the checks of every known golden file present in `dir`.
@@ -962,6 +963,105 @@ pub fn check_dwa(golden: &Golden, device: &Device) -> Result<Vec<Check>, String>
                 "dwa: `{name}` has {golden_averages} weight vectors, dilation {dilation} and period {period} give {}",
                 averaged.len()
             ));
+        }
+    }
+    Ok(checks)
+}
+
+/// `name:k=K:attend|sum`, one entry per variant of the `variants` metadata.
+fn attnres_variants(golden: &Golden) -> Result<Vec<(String, usize, AttnResOutput)>, String> {
+    golden
+        .meta_text("variants")?
+        .split(',')
+        .map(|entry| {
+            let parts: Vec<&str> = entry.split(':').collect();
+            let [name, size, output] = parts.as_slice() else {
+                return Err(format!("attnres: malformed variant `{entry}`"));
+            };
+            let block_size = size
+                .strip_prefix("k=")
+                .and_then(|k| k.parse().ok())
+                .ok_or_else(|| format!("attnres: malformed block size in `{entry}`"))?;
+            let output = match *output {
+                "attend" => AttnResOutput::Attend,
+                "sum" => AttnResOutput::Sum,
+                other => return Err(format!("attnres: unknown output `{other}`")),
+            };
+            Ok((name.to_string(), block_size, output))
+        })
+        .collect()
+}
+
+/// Attention Residuals (full and block; `attn-res`'s operator): output, readout, block inputs
+/// and the gradients of the input, the blocks and the pseudo-queries, every variant in the file.
+pub fn check_attnres(golden: &Golden, device: &Device) -> Result<Vec<Check>, String> {
+    let device = device.clone().autodiff();
+    let probe = golden.tensor::<3>("probe", &device)?;
+    let epsilon = golden.meta_number("epsilon")?;
+    let mut checks = Vec::new();
+    for (name, block_size, output) in attnres_variants(golden)? {
+        let prefix = format!("{name}.");
+        let input = golden.tensor::<3>("input", &device)?.require_grad();
+        let width = input.dims()[2];
+        let blocks = golden.blocks("", &device)?;
+        let config = AttentionResidualsConfig::new(width)
+            .with_block_size(block_size)
+            .with_epsilon(epsilon)
+            .with_output(output);
+        let mut attnres = config
+            .init(blocks.len(), &device)
+            .map_err(|err| err.to_string())?;
+        attnres.queries =
+            golden.param(&format!("{prefix}queries"), [blocks.len(), width], &device)?;
+        if let Some(query) = attnres.output_query.as_mut() {
+            *query = golden.param(&format!("{prefix}output_query"), [width], &device)?;
+        }
+        let stack = Stack::from_parts(blocks, attnres).map_err(|err| err.to_string())?;
+        let mut state = stack.connectivity.start(input.clone());
+        let mut inputs = Vec::new();
+        for (j, block) in stack.blocks.iter().enumerate() {
+            let block_input = stack.connectivity.block_input(&state);
+            let branch = block.branch(block_input.clone(), &());
+            inputs.push(block_input);
+            state = stack.connectivity.step(state, j, branch);
+        }
+        let y = stack.connectivity.output(&state);
+        let grads = (y.clone() * probe.clone()).sum().backward();
+        checks.push(golden.compare_relative(&format!("{prefix}out.y"), y, VALUE_TOLERANCE)?);
+        let readout: Tensor<4> = Tensor::stack(stack.readout(input.clone()), 0);
+        checks.push(golden.compare_relative(
+            &format!("{prefix}out.readout"),
+            readout,
+            VALUE_TOLERANCE,
+        )?);
+        let inputs: Tensor<4> = Tensor::stack(inputs, 0);
+        checks.push(golden.compare_relative(
+            &format!("{prefix}out.inputs"),
+            inputs,
+            VALUE_TOLERANCE,
+        )?);
+        checks.extend(block_and_input_grads(
+            golden,
+            &prefix,
+            &stack.blocks,
+            &input,
+            &grads,
+        )?);
+        let queries = flat_grad(&stack.connectivity.queries, &grads)
+            .ok_or("attnres: the queries got no gradient")?;
+        checks.push(golden.compare_relative(
+            &format!("{prefix}grad.queries"),
+            queries,
+            GRADIENT_TOLERANCE,
+        )?);
+        if let Some(query) = &stack.connectivity.output_query {
+            let grad =
+                flat_grad(query, &grads).ok_or("attnres: the output query got no gradient")?;
+            checks.push(golden.compare_relative(
+                &format!("{prefix}grad.output_query"),
+                grad,
+                GRADIENT_TOLERANCE,
+            )?);
         }
     }
     Ok(checks)

@@ -22,8 +22,9 @@ use burn_connectivity::hyperzzw::{
     Crop, HyperZzwConnectivity, HyperZzwConnectivityConfig, direct_conv_1d, global_hyperzzw_1d,
 };
 use burn_connectivity::{
-    Ancre, AncreConfig, Block, DenseFormer, DenseFormerConfig, Hacn, HacnConfig, HyperConnections,
-    HyperConnectionsConfig, Mhc, MhcConfig, MlpBlock, MlpBlockConfig, Stack,
+    Ancre, AncreConfig, AttentionResiduals, AttentionResidualsConfig, Block, DenseFormer,
+    DenseFormerConfig, Hacn, HacnConfig, HyperConnections, HyperConnectionsConfig, Mhc, MhcConfig,
+    MlpBlock, MlpBlockConfig, Stack,
 };
 
 pub const BATCH: usize = 8;
@@ -90,10 +91,17 @@ pub enum Variant {
     Hc,
     Mhc,
     Dwa,
+    /// Full Attention Residuals.
+    AttnRes,
+    /// Block Attention Residuals, groups of [`ATTNRES_BLOCK_SIZE`] blocks.
+    BlockAttnRes,
 }
 
+/// The block AttnRes variant's group size (4 groups in a 12-block stack).
+pub const ATTNRES_BLOCK_SIZE: usize = 3;
+
 impl Variant {
-    pub const ALL: [Variant; 8] = [
+    pub const ALL: [Variant; 10] = [
         Self::Residual,
         Self::Hacn,
         Self::HacnFrozen,
@@ -102,6 +110,8 @@ impl Variant {
         Self::Hc,
         Self::Mhc,
         Self::Dwa,
+        Self::AttnRes,
+        Self::BlockAttnRes,
     ];
 
     pub fn name(self) -> &'static str {
@@ -114,6 +124,8 @@ impl Variant {
             Self::Hc => "hc",
             Self::Mhc => "mhc",
             Self::Dwa => "dwa",
+            Self::AttnRes => "attnres",
+            Self::BlockAttnRes => "block_attnres",
         }
     }
 
@@ -158,6 +170,7 @@ pub enum Model {
     Hc(Stack<MlpBlock, HyperConnections>),
     Mhc(Stack<MlpBlock, Mhc>),
     Dwa(Stack<MlpBlock, DenseFormer>),
+    AttnRes(Stack<MlpBlock, AttentionResiduals>),
 }
 
 impl Model {
@@ -204,6 +217,15 @@ impl Model {
             Variant::Dwa => {
                 Self::Dwa(Stack::new(blocks, &DenseFormerConfig::new(), device).expect(wired))
             }
+            Variant::AttnRes => {
+                let config = AttentionResidualsConfig::new(width);
+                Self::AttnRes(Stack::new(blocks, &config, device).expect(wired))
+            }
+            Variant::BlockAttnRes => {
+                let config =
+                    AttentionResidualsConfig::new(width).with_block_size(ATTNRES_BLOCK_SIZE);
+                Self::AttnRes(Stack::new(blocks, &config, device).expect(wired))
+            }
         }
     }
 
@@ -218,6 +240,7 @@ impl Model {
             Self::Hc(stack) => stack.forward(input),
             Self::Mhc(stack) => stack.forward(input),
             Self::Dwa(stack) => stack.forward(input),
+            Self::AttnRes(stack) => stack.forward(input),
         }
     }
 

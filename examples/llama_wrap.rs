@@ -42,8 +42,8 @@ use burn::tensor::Bool;
 use burn::tensor::activation::{silu, softmax};
 use burn_connectivity::hyperzzw::HyperZzwConnectivityConfig;
 use burn_connectivity::{
-    AncreConfig, Block, ConnectivityConfig, DenseFormerConfig, HacnConfig, HyperConnectionsConfig,
-    MhcConfig, Stack, StreamConnectivity,
+    AncreConfig, AttentionResidualsConfig, Block, ConnectivityConfig, DenseFormerConfig,
+    HacnConfig, HyperConnectionsConfig, MhcConfig, Stack, StreamConnectivity,
 };
 use clap::Parser;
 use common::lm::{Corpus, LmConnectivity, TEXT, format_values};
@@ -451,6 +451,12 @@ fn run(flags: Flags) -> Result<(), String> {
             LmConnectivity::Hyperzzw => {
                 let config = HyperZzwConnectivityConfig::new(width, flags.context);
                 train(&config.with_local_kernel_sizes(Vec::new()), name, runs)
+            }
+            LmConnectivity::Attnres => train(&AttentionResidualsConfig::new(width), name, runs),
+            LmConnectivity::BlockAttnres => {
+                let config = AttentionResidualsConfig::new(width)
+                    .with_block_size(burn_connectivity_tools::lm::LM_ATTNRES_BLOCK_SIZE);
+                train(&config, name, runs)
             }
         };
         results.push((name, result?));

@@ -112,11 +112,14 @@ pub struct AttentionResiduals {
     pub num_blocks: usize,
 }
 
-/// A source with its key.
+/// A completed source with its logits for every query.
 #[derive(Debug, Clone)]
 struct Source<const D: usize> {
     value: Tensor<D>,
-    key: Tensor<D>,
+    /// `w_c · k(v)` for every query column `c` (`[..., Q]`): one matrix product when the source
+    /// is complete, where each block's mixture would otherwise take a product and a sum per
+    /// source.
+    logits: Tensor<D>,
 }
 
 /// The running state of [`AttentionResiduals`].
@@ -128,7 +131,8 @@ pub struct AttentionResidualsState<const D: usize> {
     partial: Option<Tensor<D>>,
     /// The input of the next block.
     input: Tensor<D>,
-    /// `[L, d]`, fetched once per pass.
+    /// `[d, Q]`: block `l`'s query in column `l − 1`, the output's (if any) in column `L`;
+    /// fetched once per pass.
     queries: Tensor<2>,
 }
 
@@ -148,6 +152,12 @@ impl AttentionResiduals {
         }
     }
 
+    /// `‖w_l‖₂` for every block (0 at init: uniform mixtures), read back to the host.
+    pub fn query_norms(&self) -> Vec<f64> {
+        let norms = self.queries.val().square().sum_dim(1).sqrt();
+        norms.into_data().iter::<f64>().collect()
+    }
+
     /// The width `d`.
     pub fn width(&self) -> usize {
         self.queries.dims()[1]
@@ -159,33 +169,65 @@ impl AttentionResiduals {
         value.clone() * mean_square.add_scalar(self.epsilon).sqrt().recip()
     }
 
-    /// `Σ_s softmax_s(w · key(s)) s` over the completed sources and the partial sum.
+    /// Every query side by side, `[d, Q]` (see [`AttentionResidualsState`]).
+    fn query_columns(&self) -> Tensor<2> {
+        let queries = self.queries.val();
+        let all = match &self.output_query {
+            Some(query) => Tensor::cat(vec![queries, query.val().unsqueeze::<2>()], 0),
+            None => queries,
+        };
+        all.transpose()
+    }
+
+    /// `k(v) · W` for every query column: `[..., Q]`.
+    fn logits<const D: usize>(&self, value: &Tensor<D>, queries: &Tensor<2>) -> Tensor<D> {
+        let dims = value.dims();
+        let width = dims[D - 1];
+        let columns = queries.dims()[1];
+        let tokens = value.shape().num_elements() / width.max(1);
+        let mut shape = dims;
+        shape[D - 1] = columns;
+        self.key(value)
+            .reshape([tokens, width])
+            .matmul(queries.clone())
+            .reshape(shape)
+    }
+
+    /// A completed source.
+    fn source<const D: usize>(&self, value: Tensor<D>, queries: &Tensor<2>) -> Source<D> {
+        let logits = self.logits(&value, queries);
+        Source { value, logits }
+    }
+
+    /// `Σ_s softmax_s(w_c · k(s)) s` over the completed sources and the partial sum, with the
+    /// query of column `column`.
     fn attend<const D: usize>(
         &self,
-        query: Tensor<1>,
+        column: usize,
+        queries: &Tensor<2>,
         sources: &[Source<D>],
         partial: Option<&Tensor<D>>,
     ) -> Tensor<D> {
-        let partial = partial.map(|value| Source {
-            value: value.clone(),
-            key: self.key(value),
-        });
-        let all: Vec<&Source<D>> = sources.iter().chain(partial.as_ref()).collect();
-        if let [only] = all.as_slice() {
+        if let ([only], None) = (sources, partial) {
             // softmax over one source is 1, whatever the query.
             return only.value.clone();
         }
-        let mut shape = [1; D];
-        shape[D - 1] = query.dims()[0];
-        let query = query.reshape(shape);
-        let logits = all
+        let mut logits: Vec<Tensor<D>> = sources
             .iter()
-            .map(|source| (source.key.clone() * query.clone()).sum_dim(D - 1))
+            .map(|source| source.logits.clone().narrow(D - 1, column, 1))
             .collect();
+        if let Some(partial) = partial {
+            // Read by this mixture only: its logit for this query alone.
+            let query = queries.clone().narrow(1, column, 1);
+            logits.push(self.logits(partial, &query));
+        }
         let weights = softmax(Tensor::cat(logits, D - 1), D - 1);
-        all.iter()
+        sources
+            .iter()
+            .map(|source| &source.value)
+            .chain(partial)
             .enumerate()
-            .map(|(i, source)| weights.clone().narrow(D - 1, i, 1) * source.value.clone())
+            .map(|(i, value)| weights.clone().narrow(D - 1, i, 1) * value.clone())
             .reduce(|sum, term| sum + term)
             .expect("at least two sources")
     }
@@ -209,19 +251,13 @@ impl AttentionResiduals {
             None => value,
         };
         let partial = if done.is_multiple_of(self.block_size) {
-            let key = self.key(&partial);
-            sources.push(Source {
-                value: partial,
-                key,
-            });
+            sources.push(self.source(partial, &queries));
             None
         } else {
             Some(partial)
         };
         let input = if done < self.num_blocks {
-            let width = queries.dims()[1];
-            let query = queries.clone().narrow(0, done, 1).reshape([width]);
-            self.attend(query, &sources, partial.as_ref())
+            self.attend(done, &queries, &sources, partial.as_ref())
         } else {
             input
         };
@@ -310,15 +346,12 @@ impl<const D: usize> StreamConnectivity<D> for AttentionResiduals {
     type State = AttentionResidualsState<D>;
 
     fn start(&self, input: Tensor<D>) -> AttentionResidualsState<D> {
-        let key = self.key(&input);
+        let queries = self.query_columns();
         AttentionResidualsState {
-            sources: vec![Source {
-                value: input.clone(),
-                key,
-            }],
+            sources: vec![self.source(input.clone(), &queries)],
             partial: None,
             input,
-            queries: self.queries.val(),
+            queries,
         }
     }
 
@@ -350,7 +383,12 @@ impl<const D: usize> StreamConnectivity<D> for AttentionResiduals {
 
     fn output(&self, state: &AttentionResidualsState<D>) -> Tensor<D> {
         match &self.output_query {
-            Some(query) => self.attend(query.val(), &state.sources, state.partial.as_ref()),
+            Some(_) => self.attend(
+                self.num_blocks,
+                &state.queries,
+                &state.sources,
+                state.partial.as_ref(),
+            ),
             None => state
                 .sources
                 .iter()

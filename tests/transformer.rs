@@ -611,3 +611,57 @@ fn attention(layer: &TransformerEncoderLayer, input: Tensor<3>, masks: &EncoderM
 fn feed_forward(layer: &TransformerEncoderLayer, input: Tensor<3>) -> Tensor<3> {
     layer.dropout.forward(layer.pwff.forward(input))
 }
+
+/// Full AttnRes (zero queries, output `Sum`) on a pre-norm encoder: every block reads the mean of
+/// `x` and the earlier blocks' outputs, at block level (a whole layer's update is one source) and
+/// at sublayer level (attention and feed-forward each one), and the output is `x` plus every
+/// source; the readout agrees with the truncated models. (burn-nn's pre-norm layer normalises
+/// with `norm_2` before the attention and `norm_1` before the feed-forward.)
+#[test]
+fn attention_residuals_wrap_an_encoder_at_both_granularities() {
+    use burn_connectivity::{AttentionResidualsConfig, AttnResOutput};
+    let device = Device::flex();
+    let (x, masks) = (input(&device), masks(&device));
+    let config = AttentionResidualsConfig::new(WIDTH).with_output(AttnResOutput::Sum);
+    let mean = |sources: &[Tensor<3>]| {
+        let count = sources.len() as f64;
+        sources
+            .iter()
+            .cloned()
+            .reduce(|sum, source| sum + source)
+            .unwrap()
+            .div_scalar(count)
+    };
+    for granularity in [Granularity::Block, Granularity::Sublayer] {
+        let encoder = encoder(true, &device);
+        let mut sources = vec![x.clone()];
+        for layer in &encoder.layers {
+            let h = mean(&sources);
+            let attended = attention(layer, layer.norm_2.forward(h.clone()), &masks);
+            match granularity {
+                Granularity::Sublayer => {
+                    sources.push(attended);
+                    let h = mean(&sources);
+                    sources.push(feed_forward(layer, layer.norm_1.forward(h)));
+                }
+                _ => {
+                    let inner = h.clone() + attended;
+                    let out = inner.clone() + feed_forward(layer, layer.norm_1.forward(inner));
+                    sources.push(out - h);
+                }
+            }
+        }
+        let expected = sources
+            .into_iter()
+            .reduce(|sum, source| sum + source)
+            .unwrap();
+        let model = ConnectedEncoder::new(encoder, granularity, &config, &device).unwrap();
+        assert_close(model.forward(x.clone(), &masks), expected.clone());
+        let readout = model.readout(x.clone(), &masks);
+        assert_close(readout[LAYERS].clone(), expected);
+        for (layers, expected) in readout.iter().enumerate().skip(1) {
+            let truncated = model.truncated(layers).unwrap();
+            assert_close(truncated.forward(x.clone(), &masks), expected.clone());
+        }
+    }
+}

@@ -12,8 +12,8 @@ use burn_connectivity::hyperzzw::HyperZzwConnectivityConfig;
 use burn_connectivity::training::{GroupedAdamConfig, connectivity_group};
 use burn_connectivity::transformer::{ConnectedEncoder, EncoderMasks, Granularity};
 use burn_connectivity::{
-    AncreConfig, ConnectivityConfig, DenseFormerConfig, HacnConfig, HyperConnectionsConfig,
-    MhcConfig, StreamConnectivity,
+    AncreConfig, AttentionResidualsConfig, ConnectivityConfig, DenseFormerConfig, HacnConfig,
+    HyperConnectionsConfig, MhcConfig, StreamConnectivity,
 };
 use indicatif::ProgressBar;
 
@@ -294,11 +294,19 @@ pub enum LmConnectivity {
     Dwa,
     /// HyperZZW fusion.
     Hyperzzw,
+    /// Full Attention Residuals.
+    Attnres,
+    /// Block Attention Residuals, groups of [`LM_ATTNRES_BLOCK_SIZE`] layers.
+    #[value(name = "block_attnres")]
+    BlockAttnres,
 }
+
+/// The block AttnRes group size of the language-model runs.
+pub const LM_ATTNRES_BLOCK_SIZE: usize = 2;
 
 impl LmConnectivity {
     /// Every connectivity, in the order tables list them.
-    pub const ALL: [Self; 7] = [
+    pub const ALL: [Self; 9] = [
         Self::Residual,
         Self::Hacn,
         Self::Ancre,
@@ -306,6 +314,8 @@ impl LmConnectivity {
         Self::Mhc,
         Self::Dwa,
         Self::Hyperzzw,
+        Self::Attnres,
+        Self::BlockAttnres,
     ];
 
     /// The flag value and table name.
@@ -318,6 +328,8 @@ impl LmConnectivity {
             Self::Mhc => "mhc",
             Self::Dwa => "dwa",
             Self::Hyperzzw => "hyperzzw",
+            Self::Attnres => "attnres",
+            Self::BlockAttnres => "block_attnres",
         }
     }
 }
@@ -396,6 +408,19 @@ pub fn train_connectivity(
             let config = HyperZzwConnectivityConfig::new(width, settings.context);
             train_lm(&config, corpus, settings, device, bar, |_| {
                 "HyperZZW fusion".into()
+            })
+        }
+        LmConnectivity::Attnres | LmConnectivity::BlockAttnres => {
+            let block_size = match which {
+                LmConnectivity::Attnres => 1,
+                _ => LM_ATTNRES_BLOCK_SIZE,
+            };
+            let config = AttentionResidualsConfig::new(width).with_block_size(block_size);
+            train_lm(&config, corpus, settings, device, bar, |attnres| {
+                format!(
+                    "pseudo-query norms per block [{}]",
+                    format_values(&attnres.query_norms())
+                )
             })
         }
     }

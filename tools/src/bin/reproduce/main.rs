@@ -39,7 +39,9 @@ use burn_connectivity::{
     HyperConnectionsConfig, MhcConfig, Normalization, StreamConnectivity,
 };
 use clap::{Parser, ValueEnum};
-use common::lm::{Corpus, LmConnectivity, LmSettings, TEXT, train_connectivity};
+use common::lm::{
+    Corpus, LM_ATTNRES_BLOCK_SIZE, LmConnectivity, LmSettings, TEXT, train_connectivity,
+};
 use common::terminator::{ResidualMlp, TerminatorClassifier, train_pixels};
 use common::{
     Classifier, DeviceArg, Digits, DigitsTraining, accuracy, fit_digits, recipe, shuffled,
@@ -736,7 +738,30 @@ fn lm_claims(
         curve_header: vec![],
         curves: vec![],
     };
-    Ok(vec![lm, layerwise, normalization, depth_ln])
+    let full = LmRun::Every(LmConnectivity::Attnres);
+    let block = LmRun::Every(LmConnectivity::BlockAttnres);
+    let attnres = Claim {
+        id: "lm_attnres",
+        source: "AttnRes §4 (scaling laws)",
+        paper: "Attention Residuals lower the validation loss against the residual baseline at \
+                every scale; block AttnRes (about 8 groups) matches a baseline trained with 1.25x \
+                the compute, full AttnRes does better still.",
+        setup: format!(
+            "{setup}; AttnRes: zero-initialised pseudo-queries, output attended with its own; \
+             block AttnRes in groups of {LM_ATTNRES_BLOCK_SIZE} layers"
+        ),
+        verdict: compare(&final_loss(full), &final_loss(residual), false),
+        finding: format!(
+            "validation loss {} (full), {} (block) vs {} (residual)",
+            final_loss(full).display(3),
+            final_loss(block).display(3),
+            final_loss(residual).display(3)
+        ),
+        metrics: vec![final_loss(full), final_loss(block), final_loss(residual)],
+        curve_header: vec![],
+        curves: vec![],
+    };
+    Ok(vec![lm, layerwise, normalization, depth_ln, attnres])
 }
 
 // ---------------------------------------------------------------- Terminator

@@ -596,13 +596,12 @@ mod kernels {
             let value = activation::<E>(shared[c] * scale, tanh);
             let derivative = activation_slope::<E>(value, tanh);
             let mut g = grad[(t * comptime!(columns + 1) + c) * units + q];
-            if comptime!(views > 0) {
-                if c < views {
-                    g += inner[c];
-                    view_weights[c] = mixing_scale[0] * value + mixing_static[q * columns + c];
-                    if unit == 0 {
-                        view_grad[(t * views + c) * units + q] = g;
-                    }
+            // (no view rows where `views` is 0)
+            if c < views {
+                g += inner[c];
+                view_weights[c] = mixing_scale[0] * value + mixing_static[q * columns + c];
+                if unit == 0 {
+                    view_grad[(t * views + c) * units + q] = g;
                 }
             }
             let mut factor = mixing_scale[0];

@@ -95,13 +95,15 @@ fn count<T>(device: &Device, work: impl Fn() -> T) -> usize {
 }
 
 /// The variants counted, the residual first (the baseline).
-const COUNTED: [Variant; 6] = [
+const COUNTED: [Variant; 8] = [
     Variant::Residual,
     Variant::Hacn,
     Variant::Ancre,
     Variant::Hc,
     Variant::Mhc,
     Variant::Dwa,
+    Variant::AttnRes,
+    Variant::BlockAttnRes,
 ];
 
 /// The most extra kernels per block over the residual's that a train step may launch.

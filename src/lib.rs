@@ -23,6 +23,7 @@ pub mod hyperzzw;
 pub mod math {}
 mod matrix;
 pub mod mhc;
+pub mod mhc_v4;
 mod mlp;
 mod multi_stream;
 #[cfg(feature = "plot")]
@@ -47,6 +48,7 @@ pub use hacn::{GateInit, Hacn, HacnConfig, HacnState};
 pub use hyper_connections::{HyperConnections, HyperConnectionsConfig};
 pub use matrix::ConnectivityMatrix;
 pub use mhc::{Mhc, MhcConfig, sinkhorn_knopp};
+pub use mhc_v4::{MhcV4, MhcV4Config};
 pub use mlp::{BlockNorm, MlpBlock, MlpBlockConfig};
 pub use multi_stream::{MultiStreamState, StreamReduce};
 pub use stack::Stack;

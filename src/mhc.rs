@@ -81,7 +81,10 @@ pub fn sinkhorn_knopp<const D: usize>(logits: Tensor<D>, iterations: usize) -> R
     Ok(sinkhorn_unchecked(logits, iterations))
 }
 
-fn sinkhorn_unchecked<const D: usize>(logits: Tensor<D>, iterations: usize) -> Tensor<D> {
+pub(crate) fn sinkhorn_unchecked<const D: usize>(
+    logits: Tensor<D>,
+    iterations: usize,
+) -> Tensor<D> {
     // CubeCL and Flex devices: every iteration in one op (and one for the backward).
     #[cfg(any(feature = "cube-kernels", feature = "flex"))]
     if crate::backend::has_fused_sinkhorn(&logits) {
@@ -266,7 +269,13 @@ fn norm_scale(entries: usize) -> RowScale {
 }
 
 /// `H_pre` as the view row, `H_resᵀ` as the residual rows, `H_post` as `β`.
-fn mixing(pre: Tensor<2>, post: Tensor<2>, res: Tensor<3>, tokens: usize, n: usize) -> Mixing {
+pub(crate) fn mixing(
+    pre: Tensor<2>,
+    post: Tensor<2>,
+    res: Tensor<3>,
+    tokens: usize,
+    n: usize,
+) -> Mixing {
     Mixing {
         input: MatrixRows::all(pre.reshape([tokens, 1, n])),
         residual: MatrixRows::all(res.swap_dims(1, 2)),

@@ -355,7 +355,7 @@ impl StaticMixing {
 pub(crate) fn static_part_matrix<L: MixingLayer>(
     layers: impl Iterator<Item = L>,
     layout: Layout,
-    reduce: StreamReduce,
+    output: StaticOutput,
     unit_width: usize,
     device: &Device,
 ) -> ConnectivityMatrix {
@@ -363,7 +363,15 @@ pub(crate) fn static_part_matrix<L: MixingLayer>(
     let layers: Vec<StaticMixing> = layers
         .map(|layer| StaticMixing::from_mixing(layer.mixing(&zero, &LayerOps::composed())))
         .collect();
-    static_matrix(&layers, layout, reduce)
+    static_matrix(&layers, layout, output)
+}
+
+/// How the static part's output weighs the units.
+pub(crate) enum StaticOutput {
+    /// The fixed reduction.
+    Reduce(StreamReduce),
+    /// A head's weights per unit.
+    Head(Vec<f64>),
 }
 
 /// `C` and the output column of a multi-stream connectivity whose layers have the given
@@ -375,7 +383,7 @@ pub(crate) fn static_part_matrix<L: MixingLayer>(
 fn static_matrix(
     layers: &[StaticMixing],
     layout: Layout,
-    reduce: StreamReduce,
+    output: StaticOutput,
 ) -> ConnectivityMatrix {
     let size = layers.len() + 1;
     let (n, m) = (layout.streams, layout.fractions);
@@ -416,12 +424,13 @@ fn static_matrix(
             })
             .collect();
     }
-    let scale = match reduce {
-        StreamReduce::Sum => 1.0,
-        StreamReduce::Mean => 1.0 / n as f64,
+    let weight = |u: usize| match &output {
+        StaticOutput::Reduce(StreamReduce::Sum) => 1.0,
+        StaticOutput::Reduce(StreamReduce::Mean) => 1.0 / n as f64,
+        StaticOutput::Head(weights) => weights[u],
     };
     let outputs: Vec<Vec<f64>> = (0..m)
-        .map(|f| combine(&|u| if u % m == f { scale } else { 0.0 }, &coef))
+        .map(|f| combine(&|u| if u % m == f { weight(u) } else { 0.0 }, &coef))
         .collect();
     ConnectivityMatrix::from_columns(&columns, diagonal(&outputs))
         .expect("columns of L+1 entries by construction")
@@ -479,6 +488,37 @@ pub trait MultiStream: Module + ModuleDisplay + Clone {
 
     /// The same connectivity with the layers of the first `depth` blocks only.
     fn first_layers(&self, depth: usize) -> Self;
+
+    /// Per-token weights `[T, U]` of the units in the output where a learned head makes them
+    /// from the units (DeepSeek-V4's); `None`: the fixed [`reduce`](Self::reduce).
+    #[doc(hidden)]
+    fn head_weights(&self, units: &Tensor<3>) -> Option<Tensor<2>> {
+        let _ = units;
+        None
+    }
+}
+
+/// The output of `connectivity` from the units of `state`: its head's weighted sum of the units,
+/// or its fixed reduction.
+fn readout<T: MultiStream, const D: usize>(
+    connectivity: &T,
+    state: &MultiStreamState<D>,
+) -> Tensor<D> {
+    match connectivity.head_weights(&state.units) {
+        Some(weights) => {
+            let [tokens, units, _] = state.units.dims();
+            let weights = MatrixRows::all(weights.reshape([tokens, 1, units]));
+            // The mix kernel on CubeCL; elsewhere tensor ops (the fused Flex mix assembles a
+            // layer's units gradient with its projection's, which a head's mix has no part in).
+            let ops = match state.ops {
+                UnitOps::Kernels => state.ops.layer(),
+                _ => LayerOps::composed(),
+            };
+            ops.mix(weights, state.units.clone(), None, 0)
+                .reshape(state.shape)
+        }
+        None => output(state, connectivity.reduce()),
+    }
 }
 
 impl<T: MultiStream> Connectivity for T {
@@ -488,10 +528,19 @@ impl<T: MultiStream> Connectivity for T {
 
     fn matrix(&self) -> ConnectivityMatrix {
         let layout = self.layout();
+        let device = &self.devices()[0];
+        let zero = Tensor::zeros(
+            [1, layout.units(), self.stream_width() / layout.fractions],
+            device,
+        );
+        let output = match self.head_weights(&zero) {
+            Some(weights) => StaticOutput::Head(weights.into_data().iter::<f64>().collect()),
+            None => StaticOutput::Reduce(self.reduce()),
+        };
         static_part_matrix(
             (0..self.num_layers()).filter_map(|block| self.mixing(block)),
             layout,
-            self.reduce(),
+            output,
             self.stream_width() / layout.fractions,
             &self.devices()[0],
         )
@@ -520,7 +569,7 @@ impl<T: MultiStream, const D: usize> StreamConnectivity<D> for T {
     }
 
     fn block_input(&self, state: &Self::State) -> Tensor<D> {
-        block_input(state).unwrap_or_else(|| output(state, self.reduce()))
+        block_input(state).unwrap_or_else(|| readout(self, state))
     }
 
     fn step(&self, state: Self::State, block: usize, branch: Tensor<D>) -> Self::State {
@@ -539,6 +588,6 @@ impl<T: MultiStream, const D: usize> StreamConnectivity<D> for T {
     }
 
     fn output(&self, state: &Self::State) -> Tensor<D> {
-        output(state, self.reduce())
+        readout(self, state)
     }
 }

@@ -16,7 +16,8 @@ use burn_connectivity::hyperzzw::{
 use burn_connectivity::{
     AncreConfig, AncreInit, AttentionResidualsConfig, AttnResOutput, Block, Connectivity,
     ConnectivityConfig, DenseFormerConfig, DepthLnConfig, GateInit, HacnConfig,
-    HyperConnectionsConfig, MhcConfig, Stack, StreamConnectivity, StreamReduce, sinkhorn_knopp,
+    HyperConnectionsConfig, MhcConfig, MhcV4Config, Stack, StreamConnectivity, StreamReduce,
+    sinkhorn_knopp,
 };
 
 /// Absolute tolerance for forward values (f32).
@@ -62,7 +63,7 @@ pub struct Golden {
 type Checker = fn(&Golden, &Device) -> Result<Vec<Check>, String>;
 
 /// The golden files this runner knows, and the checks of each.
-pub const KNOWN_FILES: [(&str, Checker); 8] = [
+pub const KNOWN_FILES: [(&str, Checker); 9] = [
     ("hacn.safetensors", check_hacn),
     ("depth_ln.safetensors", check_depth_ln),
     ("ancre.safetensors", check_ancre),
@@ -71,6 +72,7 @@ pub const KNOWN_FILES: [(&str, Checker); 8] = [
     ("mhc.safetensors", check_mhc),
     ("dwa.safetensors", check_dwa),
     ("attnres.safetensors", check_attnres),
+    ("mhc_v4.safetensors", check_mhc_v4),
 ];
 
 /// Runs the checks of every known golden file present in `dir`.
@@ -883,6 +885,33 @@ pub fn check_mhc(golden: &Golden, device: &Device) -> Result<Vec<Check>, String>
     Ok(checks)
 }
 
+/// `{prefix}out.y` and `{prefix}out.readout` of `stack` on `input`, and the gradients of the
+/// input and the blocks for the loss `sum(y · probe)` (returned for the connectivity's own
+/// parameters).
+fn stack_outputs<C: StreamConnectivity<3>>(
+    golden: &Golden,
+    prefix: &str,
+    stack: &Stack<TanhBlock, C>,
+    input: &Tensor<3>,
+    probe: Tensor<3>,
+) -> Result<(Vec<Check>, burn::tensor::Gradients), String> {
+    let y = stack.forward(input.clone());
+    let grads = (y.clone() * probe).sum().backward();
+    let readout: Tensor<4> = Tensor::stack(stack.readout(input.clone()), 0);
+    let mut checks = vec![
+        golden.compare_relative(&format!("{prefix}out.y"), y, VALUE_TOLERANCE)?,
+        golden.compare_relative(&format!("{prefix}out.readout"), readout, VALUE_TOLERANCE)?,
+    ];
+    checks.extend(block_and_input_grads(
+        golden,
+        prefix,
+        &stack.blocks,
+        input,
+        &grads,
+    )?);
+    Ok((checks, grads))
+}
+
 /// `dense` is dilation 1, period 1; `d{δ}p{p}` is dilation δ, period p.
 fn dwa_variant(prefix: &str) -> Option<(usize, usize)> {
     if prefix == "dense" {
@@ -926,22 +955,8 @@ pub fn check_dwa(golden: &Golden, device: &Device) -> Result<Vec<Check>, String>
             *alpha = golden.param(&format!("{prefix}alphas.{i}"), alpha.dims(), &device)?;
         }
         let stack = Stack::from_parts(blocks, dwa).map_err(|err| err.to_string())?;
-        let y = stack.forward(input.clone());
-        let grads = (y.clone() * probe).sum().backward();
-        checks.push(golden.compare_relative(&format!("{prefix}out.y"), y, VALUE_TOLERANCE)?);
-        let readout: Tensor<4> = Tensor::stack(stack.readout(input.clone()), 0);
-        checks.push(golden.compare_relative(
-            &format!("{prefix}out.readout"),
-            readout,
-            VALUE_TOLERANCE,
-        )?);
-        checks.extend(block_and_input_grads(
-            golden,
-            &prefix,
-            &stack.blocks,
-            &input,
-            &grads,
-        )?);
+        let (outputs, grads) = stack_outputs(golden, &prefix, &stack, &input, probe)?;
+        checks.extend(outputs);
         for (alpha, i) in stack.connectivity.alphas.iter().zip(&averaged) {
             let grad = alpha
                 .val()
@@ -1017,6 +1032,9 @@ pub fn check_attnres(golden: &Golden, device: &Device) -> Result<Vec<Check>, Str
             *query = golden.param(&format!("{prefix}output_query"), [width], &device)?;
         }
         let stack = Stack::from_parts(blocks, attnres).map_err(|err| err.to_string())?;
+        let (outputs, grads) = stack_outputs(golden, &prefix, &stack, &input, probe.clone())?;
+        checks.extend(outputs);
+        // Every block's input, from the connectivity's own recursion.
         let mut state = stack.connectivity.start(input.clone());
         let mut inputs = Vec::new();
         for (j, block) in stack.blocks.iter().enumerate() {
@@ -1025,27 +1043,11 @@ pub fn check_attnres(golden: &Golden, device: &Device) -> Result<Vec<Check>, Str
             inputs.push(block_input);
             state = stack.connectivity.step(state, j, branch);
         }
-        let y = stack.connectivity.output(&state);
-        let grads = (y.clone() * probe.clone()).sum().backward();
-        checks.push(golden.compare_relative(&format!("{prefix}out.y"), y, VALUE_TOLERANCE)?);
-        let readout: Tensor<4> = Tensor::stack(stack.readout(input.clone()), 0);
-        checks.push(golden.compare_relative(
-            &format!("{prefix}out.readout"),
-            readout,
-            VALUE_TOLERANCE,
-        )?);
         let inputs: Tensor<4> = Tensor::stack(inputs, 0);
         checks.push(golden.compare_relative(
             &format!("{prefix}out.inputs"),
             inputs,
             VALUE_TOLERANCE,
-        )?);
-        checks.extend(block_and_input_grads(
-            golden,
-            &prefix,
-            &stack.blocks,
-            &input,
-            &grads,
         )?);
         let queries = flat_grad(&stack.connectivity.queries, &grads)
             .ok_or("attnres: the queries got no gradient")?;
@@ -1063,6 +1065,66 @@ pub fn check_attnres(golden: &Golden, device: &Device) -> Result<Vec<Check>, Str
                 GRADIENT_TOLERANCE,
             )?);
         }
+    }
+    Ok(checks)
+}
+
+/// DeepSeek-V4's mHC (`transformers`' hyper-connection and head): output, streams, readout and
+/// the gradients of the input, the blocks, every layer's parameters and the head's.
+pub fn check_mhc_v4(golden: &Golden, device: &Device) -> Result<Vec<Check>, String> {
+    let device = device.clone().autodiff();
+    let MultiStreamProblem {
+        streams,
+        input,
+        probe,
+        width,
+        blocks,
+    } = MultiStreamProblem::load(golden, &device)?;
+    let eps = golden.meta_number("epsilon")?;
+    if (eps - burn_connectivity::mhc::MHC_EPS).abs() > 1e-12 {
+        return Err(format!(
+            "mhc_v4: epsilon {eps}, the crate uses {}",
+            burn_connectivity::mhc::MHC_EPS
+        ));
+    }
+    let config = MhcV4Config::new(width)
+        .with_streams(streams)
+        .with_sinkhorn_iterations(golden.meta_number("sinkhorn_iters")? as usize);
+    let mut v4 = config
+        .init(blocks.len(), &device)
+        .map_err(|err| err.to_string())?;
+    let (outputs, entries) = ((2 + streams) * streams, streams * width);
+    for (j, layer) in v4.layers.iter_mut().enumerate() {
+        let key = |name: &str| format!("layers.{j}.{name}");
+        layer.weights = golden.param(&key("weights"), [outputs, entries], &device)?;
+        layer.base = golden.param(&key("base"), [outputs], &device)?;
+        layer.scale = golden.param(&key("scale"), [3], &device)?;
+    }
+    v4.head.weights = golden.param("head.weights", [streams, entries], &device)?;
+    v4.head.base = golden.param("head.base", [streams], &device)?;
+    v4.head.scale = golden.param("head.scale", [1], &device)?;
+    let stack = Stack::from_parts(blocks, v4).map_err(|err| err.to_string())?;
+    let (mut checks, grads) = multi_stream_outputs(golden, &stack, &input, probe)?;
+    for (j, layer) in stack.connectivity.layers.iter().enumerate() {
+        let params = [
+            ("weights", flat_grad(&layer.weights, &grads)),
+            ("base", flat_grad(&layer.base, &grads)),
+            ("scale", flat_grad(&layer.scale, &grads)),
+        ];
+        checks.extend(compare_layer_grads(golden, j, params)?);
+    }
+    let head = &stack.connectivity.head;
+    for (name, grad) in [
+        ("weights", flat_grad(&head.weights, &grads)),
+        ("base", flat_grad(&head.base, &grads)),
+        ("scale", flat_grad(&head.scale, &grads)),
+    ] {
+        let grad = grad.ok_or_else(|| format!("mhc_v4: head {name} got no gradient"))?;
+        checks.push(golden.compare_relative(
+            &format!("grad.head.{name}"),
+            grad,
+            GRADIENT_TOLERANCE,
+        )?);
     }
     Ok(checks)
 }

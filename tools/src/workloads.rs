@@ -24,7 +24,7 @@ use burn_connectivity::hyperzzw::{
 use burn_connectivity::{
     Ancre, AncreConfig, AttentionResiduals, AttentionResidualsConfig, Block, DenseFormer,
     DenseFormerConfig, Hacn, HacnConfig, HyperConnections, HyperConnectionsConfig, Mhc, MhcConfig,
-    MlpBlock, MlpBlockConfig, Stack,
+    MhcV4, MhcV4Config, MlpBlock, MlpBlockConfig, Stack,
 };
 
 pub const BATCH: usize = 8;
@@ -95,13 +95,15 @@ pub enum Variant {
     AttnRes,
     /// Block Attention Residuals, groups of [`ATTNRES_BLOCK_SIZE`] blocks.
     BlockAttnRes,
+    /// DeepSeek-V4's mHC, 4 streams.
+    MhcV4,
 }
 
 /// The block AttnRes variant's group size (4 groups in a 12-block stack).
 pub const ATTNRES_BLOCK_SIZE: usize = 3;
 
 impl Variant {
-    pub const ALL: [Variant; 10] = [
+    pub const ALL: [Variant; 11] = [
         Self::Residual,
         Self::Hacn,
         Self::HacnFrozen,
@@ -112,6 +114,7 @@ impl Variant {
         Self::Dwa,
         Self::AttnRes,
         Self::BlockAttnRes,
+        Self::MhcV4,
     ];
 
     pub fn name(self) -> &'static str {
@@ -126,6 +129,7 @@ impl Variant {
             Self::Dwa => "dwa",
             Self::AttnRes => "attnres",
             Self::BlockAttnRes => "block_attnres",
+            Self::MhcV4 => "mhc_v4",
         }
     }
 
@@ -171,6 +175,7 @@ pub enum Model {
     Mhc(Stack<MlpBlock, Mhc>),
     Dwa(Stack<MlpBlock, DenseFormer>),
     AttnRes(Stack<MlpBlock, AttentionResiduals>),
+    MhcV4(Stack<MlpBlock, MhcV4>),
 }
 
 impl Model {
@@ -226,6 +231,10 @@ impl Model {
                     AttentionResidualsConfig::new(width).with_block_size(ATTNRES_BLOCK_SIZE);
                 Self::AttnRes(Stack::new(blocks, &config, device).expect(wired))
             }
+            Variant::MhcV4 => {
+                let config = MhcV4Config::new(width).with_streams(4);
+                Self::MhcV4(Stack::new(blocks, &config, device).expect(wired))
+            }
         }
     }
 
@@ -241,6 +250,7 @@ impl Model {
             Self::Mhc(stack) => stack.forward(input),
             Self::Dwa(stack) => stack.forward(input),
             Self::AttnRes(stack) => stack.forward(input),
+            Self::MhcV4(stack) => stack.forward(input),
         }
     }
 

@@ -95,7 +95,7 @@ fn count<T>(device: &Device, work: impl Fn() -> T) -> usize {
 }
 
 /// The variants counted, the residual first (the baseline).
-const COUNTED: [Variant; 8] = [
+const COUNTED: [Variant; 9] = [
     Variant::Residual,
     Variant::Hacn,
     Variant::Ancre,
@@ -104,6 +104,7 @@ const COUNTED: [Variant; 8] = [
     Variant::Dwa,
     Variant::AttnRes,
     Variant::BlockAttnRes,
+    Variant::MhcV4,
 ];
 
 /// The most extra kernels per block over the residual's that a train step may launch.

@@ -38,6 +38,21 @@
 //! # Shapes
 //! - input, block inputs, branches and output: `[..., d]` (any rank, last axis the width `d`)
 //! - `queries`: `[L, d]`, `output_query`: `[d]`
+//!
+//! # Example
+//! ```
+//! use burn::prelude::*;
+//! use burn_connectivity::{AttentionResidualsConfig, MlpBlockConfig, Stack};
+//!
+//! let device = Device::default();
+//! let blocks = MlpBlockConfig::new(16, 32).init_stack(6, &device)?;
+//! // Block AttnRes: groups of 2 blocks; `with_block_size(1)` (the default) is full AttnRes.
+//! let config = AttentionResidualsConfig::new(16).with_block_size(2);
+//! let stack = Stack::new(blocks, &config, &device)?;
+//! let y = stack.forward(Tensor::<3>::ones([2, 5, 16], &device));
+//! assert_eq!(y.dims(), [2, 5, 16]);
+//! # Ok::<(), burn_connectivity::Error>(())
+//! ```
 
 use burn::module::Param;
 use burn::prelude::*;

@@ -33,6 +33,19 @@
 //! - input, block inputs and outputs: `[..., C]`; units `[T, n, C]`
 //! - `layers[j].weights`: `[(2+n)n, nC]`, `base`: `[(2+n)n]`, `scale`: `[3]`
 //! - `head.weights`: `[n, nC]`, `head.base`: `[n]`, `head.scale`: `[1]`
+//!
+//! # Example
+//! ```
+//! use burn::prelude::*;
+//! use burn_connectivity::{MhcV4Config, MlpBlockConfig, Stack};
+//!
+//! let device = Device::default();
+//! let blocks = MlpBlockConfig::new(16, 32).init_stack(4, &device)?;
+//! let stack = Stack::new(blocks, &MhcV4Config::new(16), &device)?;
+//! let y = stack.forward(Tensor::<3>::ones([2, 5, 16], &device));
+//! assert_eq!(y.dims(), [2, 5, 16]);
+//! # Ok::<(), burn_connectivity::Error>(())
+//! ```
 
 use burn::module::Param;
 use burn::prelude::*;

@@ -11,8 +11,9 @@ use burn::tensor::{Distribution, Gradients, Tolerance};
 use burn_connectivity::hyperzzw::HyperZzwConnectivityConfig;
 use burn_connectivity::transformer::{ConnectedEncoder, EncoderMasks, Granularity};
 use burn_connectivity::{
-    AncreConfig, ConnectivityConfig, DenseFormerConfig, HacnConfig, HyperConnectionsConfig,
-    MhcConfig, MlpBlock, MlpBlockConfig, Normalization, Stack, StreamConnectivity,
+    AncreConfig, AttentionResidualsConfig, ConnectivityConfig, DenseFormerConfig, HacnConfig,
+    HyperConnectionsConfig, MhcConfig, MhcV4Config, MlpBlock, MlpBlockConfig, Normalization, Stack,
+    StreamConnectivity,
 };
 
 const BLOCKS: usize = 6;
@@ -470,4 +471,20 @@ fn hyperzzw_operators_agree_across_backends() {
 fn reload_module<M: Module>(source: &M, fresh: M) -> M {
     let bytes = source.clone().into_record().into_bytes().unwrap();
     fresh.load_record(ModuleRecord::from_bytes(bytes).unwrap())
+}
+
+/// Attention Residuals (full and block) and DeepSeek-V4's mHC: every backend agrees with Flex,
+/// values and gradients (AttnRes at init: zero queries mix uniformly, but their gradients are not
+/// zero; DeepSeek-V4 with wide projections, so that every connection varies); records save and
+/// load exactly.
+#[test]
+fn attention_residuals_and_deepseek_v4_agree_across_backends() {
+    for block_size in [1, 2] {
+        let config = AttentionResidualsConfig::new(WIDTH).with_block_size(block_size);
+        assert_stacks_agree(&config, &[WIDTH]);
+        assert_save_load_is_exact(&config);
+    }
+    let v4 = MhcV4Config::new(WIDTH).with_init_std(0.3);
+    assert_stacks_agree(&v4, &[WIDTH]);
+    assert_save_load_is_exact(&v4);
 }

@@ -7,9 +7,9 @@ use burn::module::{ModuleMapper, ModuleVisitor, Param};
 use burn::prelude::*;
 use burn::tensor::{Distribution, FloatDType, Gradients};
 use burn_connectivity::{
-    AncreConfig, AncreInit, BlockNorm, ConnectivityConfig, DenseFormerConfig, GateInit, HacnConfig,
-    HyperConnectionsConfig, MhcConfig, MlpBlock, MlpBlockConfig, Normalization, Stack,
-    StreamConnectivity,
+    AncreConfig, AncreInit, AttentionResidualsConfig, AttnResOutput, BlockNorm, ConnectivityConfig,
+    DenseFormerConfig, GateInit, HacnConfig, HyperConnectionsConfig, MhcConfig, MhcV4Config,
+    MlpBlock, MlpBlockConfig, Normalization, Stack, StreamConnectivity,
 };
 
 const STEP: f64 = 1e-6;
@@ -322,4 +322,23 @@ fn every_dwa_weight_gradient_matches_finite_differences() {
         let name = format!("DWA dilation {dilation} period {period}");
         every_parameter_matches(&name, config.init(BLOCKS, &device()).unwrap());
     }
+}
+
+#[test]
+fn every_attention_residuals_gradient_matches_finite_differences() {
+    for (block_size, output) in [(1, AttnResOutput::Attend), (2, AttnResOutput::Sum)] {
+        let config = AttentionResidualsConfig::new(4)
+            .with_block_size(block_size)
+            .with_output(output);
+        let name = format!("AttnRes k={block_size} {output:?}");
+        every_parameter_matches(&name, config.init(BLOCKS, &device()).unwrap());
+    }
+}
+
+#[test]
+fn every_deepseek_v4_mhc_gradient_matches_finite_differences() {
+    let config = MhcV4Config::new(4)
+        .with_streams(3)
+        .with_sinkhorn_iterations(5);
+    every_parameter_matches("mHC (DeepSeek-V4)", config.init(BLOCKS, &device()).unwrap());
 }

@@ -742,7 +742,7 @@ fn lm_claims(
     let block = LmRun::Every(LmConnectivity::BlockAttnres);
     let attnres = Claim {
         id: "lm_attnres",
-        source: "AttnRes §4 (scaling laws)",
+        source: "AttnRes, scaling-law experiments",
         paper: "Attention Residuals lower the validation loss against the residual baseline at \
                 every scale; block AttnRes (about 8 groups) matches a baseline trained with 1.25x \
                 the compute, full AttnRes does better still.",

@@ -1,4 +1,5 @@
-//! GELU with an exact gradient on every backend.
+//! GELU with an exact gradient on every backend, and the RMS normalisation without a weight
+//! ([`rms_normalised`]).
 //!
 //! Burn 0.22.1's forward GELU is the exact `x·Φ(x)` everywhere, but its default
 //! `gelu_backward` (used by NdArray and the CubeCL backends) differentiates the *tanh
@@ -32,6 +33,13 @@ pub fn gelu<const D: usize>(input: Tensor<D>) -> Tensor<D> {
         .add_scalar(1.0)
         .mul_scalar(0.5);
     input * cdf
+}
+
+/// `x / sqrt(mean(x²) + ε)` over the last axis: the RMS normalisation without a weight (AttnRes's
+/// keys, DeepSeek-V4's connection rows).
+pub(crate) fn rms_normalised<const D: usize>(input: Tensor<D>, epsilon: f64) -> Tensor<D> {
+    let mean_square = input.clone().square().mean_dim(D - 1);
+    input * mean_square.add_scalar(epsilon).sqrt().recip()
 }
 
 #[cfg(test)]

@@ -58,6 +58,7 @@ use burn::module::Param;
 use burn::prelude::*;
 use burn::tensor::activation::softmax;
 
+use crate::activation::rms_normalised;
 use crate::connectivity::{Connectivity, ConnectivityConfig, StreamConnectivity, leading_part};
 use crate::error::{Error, Result, check_depth, check_positive, check_size};
 use crate::matrix::ConnectivityMatrix;
@@ -178,12 +179,6 @@ impl AttentionResiduals {
         self.queries.dims()[1]
     }
 
-    /// `v / sqrt(mean(v²) + ε)` over the last axis.
-    fn key<const D: usize>(&self, value: &Tensor<D>) -> Tensor<D> {
-        let mean_square = value.clone().square().mean_dim(D - 1);
-        value.clone() * mean_square.add_scalar(self.epsilon).sqrt().recip()
-    }
-
     /// Every query side by side, `[d, Q]` (see [`AttentionResidualsState`]).
     fn query_columns(&self) -> Tensor<2> {
         let queries = self.queries.val();
@@ -202,7 +197,7 @@ impl AttentionResiduals {
         let tokens = value.shape().num_elements() / width.max(1);
         let mut shape = dims;
         shape[D - 1] = columns;
-        self.key(value)
+        rms_normalised(value.clone(), self.epsilon)
             .reshape([tokens, width])
             .matmul(queries.clone())
             .reshape(shape)
@@ -339,6 +334,7 @@ impl Connectivity for AttentionResiduals {
                     .detach()
                     .set_require_grad(trainable)
             }),
+            // A fresh leaf of the same values, as every truncated parameter.
             output_query: self
                 .output_query
                 .as_ref()

@@ -52,6 +52,7 @@ use burn::prelude::*;
 use burn::tensor::Distribution;
 use burn::tensor::activation::sigmoid;
 
+use crate::activation::rms_normalised;
 use crate::backend::LayerOps;
 use crate::connectivity::ConnectivityConfig;
 use crate::error::{Error, Result, check_non_negative, check_size};
@@ -143,9 +144,7 @@ pub struct MhcV4Head {
 /// `x / sqrt(mean(x²) + ε)` over the rows of the units flattened, `[T, nC]`.
 fn normalised_rows(units: &Tensor<3>) -> Tensor<2> {
     let [tokens, n, width] = units.dims();
-    let flat = units.clone().reshape([tokens, n * width]);
-    let mean_square = flat.clone().square().mean_dim(1);
-    flat * mean_square.add_scalar(MHC_EPS).sqrt().recip()
+    rms_normalised(units.clone().reshape([tokens, n * width]), MHC_EPS)
 }
 
 /// `s_g · z_g + b_g` for the entries `start..start + count` of `z` (group `g` of the scales).

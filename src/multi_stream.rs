@@ -303,11 +303,7 @@ pub(crate) fn output<const D: usize>(
         let data = burn::tensor::TensorData::new(row.repeat(tokens), [tokens, fractions, units]);
         let device = state.units.device();
         let weights = Tensor::<3>::from_data(data, (&device, state.units.dtype()));
-        return state
-            .ops
-            .layer()
-            .mix(MatrixRows::all(weights), state.units.clone(), None, 0)
-            .reshape(state.shape);
+        return weighted_units(state, weights);
     }
     let per_stream =
         state
@@ -507,18 +503,22 @@ fn readout<T: MultiStream, const D: usize>(
     match connectivity.head_weights(&state.units) {
         Some(weights) => {
             let [tokens, units, _] = state.units.dims();
-            let weights = MatrixRows::all(weights.reshape([tokens, 1, units]));
-            // The mix kernel on CubeCL; elsewhere tensor ops (the fused Flex mix assembles a
-            // layer's units gradient with its projection's, which a head's mix has no part in).
-            let ops = match state.ops {
-                UnitOps::Kernels => state.ops.layer(),
-                _ => LayerOps::composed(),
-            };
-            ops.mix(weights, state.units.clone(), None, 0)
-                .reshape(state.shape)
+            weighted_units(state, weights.reshape([tokens, 1, units]))
         }
         None => output(state, connectivity.reduce()),
     }
+}
+
+/// `W S` for per-token weights `W [T, R, U]` of the units, reshaped to the stack's shape: the
+/// mix kernel on CubeCL; elsewhere tensor ops (the fused Flex mix assembles a layer's units
+/// gradient with its projection's, which an output mix has no part in).
+fn weighted_units<const D: usize>(state: &MultiStreamState<D>, weights: Tensor<3>) -> Tensor<D> {
+    let ops = match state.ops {
+        UnitOps::Kernels => state.ops.layer(),
+        _ => LayerOps::composed(),
+    };
+    ops.mix(MatrixRows::all(weights), state.units.clone(), None, 0)
+        .reshape(state.shape)
 }
 
 impl<T: MultiStream> Connectivity for T {

@@ -821,13 +821,7 @@ pub fn check_mhc(golden: &Golden, device: &Device) -> Result<Vec<Check>, String>
         width,
         blocks,
     } = MultiStreamProblem::load(golden, &device)?;
-    let eps = golden.meta_number("eps")?;
-    if (eps - burn_connectivity::mhc::MHC_EPS).abs() > 1e-12 {
-        return Err(format!(
-            "mhc: eps {eps}, the crate uses {}",
-            burn_connectivity::mhc::MHC_EPS
-        ));
-    }
+    check_mhc_eps(golden, "eps")?;
     let iterations = golden.meta_number("sinkhorn_iters")? as usize;
     let config = MhcConfig::new(width)
         .with_streams(streams)
@@ -1069,6 +1063,19 @@ pub fn check_attnres(golden: &Golden, device: &Device) -> Result<Vec<Check>, Str
     Ok(checks)
 }
 
+/// The file's ε (metadata `key`) against the crate's fixed `MHC_EPS`.
+fn check_mhc_eps(golden: &Golden, key: &str) -> Result<(), String> {
+    let eps = golden.meta_number(key)?;
+    let crate_eps = burn_connectivity::mhc::MHC_EPS;
+    if (eps - crate_eps).abs() > 1e-12 {
+        return Err(format!(
+            "{}: {key} {eps}, the crate uses {crate_eps}",
+            golden.name
+        ));
+    }
+    Ok(())
+}
+
 /// DeepSeek-V4's mHC (`transformers`' hyper-connection and head): output, streams, readout and
 /// the gradients of the input, the blocks, every layer's parameters and the head's.
 pub fn check_mhc_v4(golden: &Golden, device: &Device) -> Result<Vec<Check>, String> {
@@ -1080,13 +1087,7 @@ pub fn check_mhc_v4(golden: &Golden, device: &Device) -> Result<Vec<Check>, Stri
         width,
         blocks,
     } = MultiStreamProblem::load(golden, &device)?;
-    let eps = golden.meta_number("epsilon")?;
-    if (eps - burn_connectivity::mhc::MHC_EPS).abs() > 1e-12 {
-        return Err(format!(
-            "mhc_v4: epsilon {eps}, the crate uses {}",
-            burn_connectivity::mhc::MHC_EPS
-        ));
-    }
+    check_mhc_eps(golden, "epsilon")?;
     let config = MhcV4Config::new(width)
         .with_streams(streams)
         .with_sinkhorn_iterations(golden.meta_number("sinkhorn_iters")? as usize);

@@ -36,7 +36,8 @@
 //! source), as in `attn-res`'s block-boundary handling.
 //!
 //! A source's logits for every query are one normalised projection (`rms(v) [w_1 … w_Q]`, one
-//! fused op each way on Flex); the softmax and the weighted sums are tensor ops.
+//! fused op each way on Flex); each mixture's weighted sum is one fused op each way on Flex, and
+//! the softmax a tensor op.
 //!
 //! # Shapes
 //! - input, block inputs, branches and output: `[..., d]` (any rank, last axis the width `d`)
@@ -61,7 +62,7 @@ use burn::module::Param;
 use burn::prelude::*;
 use burn::tensor::activation::softmax;
 
-use crate::backend::rms_projection;
+use crate::backend::{rms_projection, token_mix};
 use crate::connectivity::{Connectivity, ConnectivityConfig, StreamConnectivity, leading_part};
 use crate::error::{Error, Result, check_depth, check_positive, check_size};
 use crate::matrix::ConnectivityMatrix;
@@ -237,14 +238,12 @@ impl AttentionResiduals {
             logits.push(self.logits(partial, &query));
         }
         let weights = softmax(Tensor::cat(logits, D - 1), D - 1);
-        sources
+        let values = sources
             .iter()
-            .map(|source| &source.value)
-            .chain(partial)
-            .enumerate()
-            .map(|(i, value)| weights.clone().narrow(D - 1, i, 1) * value.clone())
-            .reduce(|sum, term| sum + term)
-            .expect("at least two sources")
+            .map(|source| source.value.clone())
+            .chain(partial.cloned())
+            .collect();
+        token_mix(weights, values)
     }
 
     /// Takes in block `block`'s (0-based) contribution `value`, then prepares the next input.

@@ -55,6 +55,8 @@ pub(crate) use scales::{Scales, UsedEntries};
 pub(crate) mod sinkhorn;
 #[cfg(feature = "flex")]
 pub(crate) mod stream_mix;
+mod token_mix;
+pub(crate) use token_mix::token_mix;
 #[cfg(feature = "cube-kernels")]
 mod unit_kernels;
 #[cfg(feature = "flex")]

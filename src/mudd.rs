@@ -57,7 +57,7 @@ use burn::prelude::*;
 use burn::tensor::Distribution;
 
 use crate::activation::gelu;
-use crate::backend::rms_projection;
+use crate::backend::{rms_projection, token_mix};
 use crate::connectivity::{Connectivity, ConnectivityConfig, StreamConnectivity};
 use crate::error::{Error, Result, check_depth, check_positive, check_size};
 use crate::matrix::ConnectivityMatrix;
@@ -204,15 +204,11 @@ impl<const D: usize> MuddState<D> {
     }
 }
 
-/// `Σ_j A[c, j] X_j` for the weights `[..., C·n]` of `n` states.
+/// `Σ_j A[c, j] X_j` for the weights `[..., C·n]` of `n` states (one fused op on Flex).
 fn mix<const D: usize>(states: &[Tensor<D>], weights: &Tensor<D>, way: usize) -> Tensor<D> {
     let count = states.len();
-    states
-        .iter()
-        .enumerate()
-        .map(|(j, state)| weights.clone().narrow(D - 1, way * count + j, 1) * state.clone())
-        .reduce(|sum, term| sum + term)
-        .expect("at least one state")
+    let weights = weights.clone().narrow(D - 1, way * count, count);
+    token_mix(weights, states.to_vec())
 }
 
 impl Mudd {

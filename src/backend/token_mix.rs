@@ -1,0 +1,607 @@
+//! A weighted sum of states with weights per token, as one op forward and one backward on Flex
+//! (f32, f64); the composed tensor-op form elsewhere. AttnRes's and MUDD's mixtures.
+//!
+//! For weights `W` `[..., K]` and states `x_0 … x_{K−1}` `[..., d]` (rows `t`):
+//!
+//! ```text
+//! m[t] = Σ_k W[t, k] x_k[t]
+//!
+//! ∂W[t, k] = ⟨∂m[t], x_k[t]⟩          ∂x_k[t] = W[t, k] ∂m[t]
+//! ```
+//!
+//! Composed, every term is a broadcast product and an add forward (two full-size passes), and
+//! backward a scaled copy, a product with its row reduction, the narrow's scatter into `∂W`, and
+//! autodiff's add of `∂x_k` into the state's gradient so far. Here a mixture reads its states
+//! once forward, state by state over blocks of rows that stay in cache. Backward, it takes each
+//! state's gradient so far out of autodiff's container and writes `so far + W[:, k] ∂m` into a
+//! fresh buffer in the pass that computes `∂W`: no add per state and mixture follows. (A
+//! gradient that autodiff handed over is only read, never written in place: an in-place update
+//! of a buffer that looked unshared broke MUDD's finite-difference test.)
+//!
+//! Under autodiff the op's parents are `W` and every state (padded to a fixed count by repeating
+//! `W`, which gets no gradient through the padding), so Burn orders its backward like any op's
+//! and a state's gradient so far is complete except for consumers that run later, whose parts
+//! autodiff adds as usual. The states are taken as they are (no reshape, which would give each
+//! mixture a node of its own). At most [`MAX_STATES`] states of one shape; anything else
+//! composes. Not differentiable twice.
+
+use burn::prelude::*;
+
+/// The most states one fused mixture takes (its parents, with `W`, fill an array of 64).
+pub(crate) const MAX_STATES: usize = 63;
+
+/// `Σ_k weights[..., k] states[k]` for weights `[..., K]` and `K` states `[..., d]` of one
+/// shape: one fused op on Flex (f32, f64; at most [`MAX_STATES`] states), tensor ops elsewhere.
+pub(crate) fn token_mix<const D: usize>(weights: Tensor<D>, states: Vec<Tensor<D>>) -> Tensor<D> {
+    let count = states.len();
+    assert!(count > 0, "token mix: no states");
+    assert_eq!(
+        weights.dims()[D - 1],
+        count,
+        "token mix: one weight per state"
+    );
+    #[cfg(feature = "flex")]
+    let shape = states[0].dims();
+    let same_shapes = states.iter().all(|state| state.dims() == shape)
+        && weights.dims()[..D - 1] == shape[..D - 1];
+    if count <= MAX_STATES
+        && same_shapes
+        && super::has_fused_flex_ops(&states[0])
+        && weights.dtype() == states[0].dtype()
+    {
+        return flex::token_mix(weights, states);
+    }
+    composed(weights, states)
+}
+
+/// [`token_mix`] as tensor ops: a broadcast product per state, summed.
+pub(crate) fn composed<const D: usize>(weights: Tensor<D>, states: Vec<Tensor<D>>) -> Tensor<D> {
+    states
+        .into_iter()
+        .enumerate()
+        .map(|(k, state)| weights.clone().narrow(D - 1, k, 1) * state)
+        .reduce(|sum, term| sum + term)
+        .expect("at least one state")
+}
+
+#[cfg(feature = "flex")]
+mod flex {
+    use std::any::Any;
+    use std::borrow::Cow;
+    use std::mem::MaybeUninit;
+    use std::sync::{Arc, Mutex};
+
+    use burn::backend::autodiff::Autodiff;
+    use burn::backend::autodiff::checkpoint::base::Checkpointer;
+    use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
+    use burn::backend::autodiff::grads::Gradients;
+    use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
+    use burn::backend::tensor::FloatTensor;
+    use burn::backend::{Backend, Dispatch, backend_extension};
+    use burn::prelude::*;
+    use burn::tensor::DType;
+    use burn_flex::{Flex, FlexTensor};
+    use rayon::prelude::*;
+
+    use super::super::autodiff::constant;
+    use super::super::flex_kernels::{
+        Scalar, axpy, dot, tensor, unwritten, values, written, zeroed,
+    };
+    use super::MAX_STATES;
+
+    /// Elements of one state per parallel task.
+    const ELEMENTS_PER_TASK: usize = 16 * 1024;
+
+    /// The states of one mixture on their way to the op: a backend extension takes a fixed
+    /// number of tensors, so each state goes in through [`TokenMixBackend::token_mix_stage`]
+    /// (as the backend's own tensor, autodiff node included) and the mixture takes them all.
+    #[derive(Clone, Default)]
+    pub(crate) struct Staged(Arc<Mutex<Vec<Box<dyn Any + Send>>>>);
+
+    impl std::fmt::Debug for Staged {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            let count = self.0.lock().map_or(0, |states| states.len());
+            f.debug_struct("Staged").field("states", &count).finish()
+        }
+    }
+
+    impl Staged {
+        fn of<T: Any + Send>(states: Vec<T>) -> Self {
+            let staged = Self::default();
+            for state in states {
+                staged.push(state);
+            }
+            staged
+        }
+
+        fn push<T: Any + Send>(&self, state: T) {
+            self.0.lock().expect("staged states").push(Box::new(state));
+        }
+
+        /// The states, in the order staged, as the backend's tensors.
+        fn take<T: Any>(&self) -> Vec<T> {
+            std::mem::take(&mut *self.0.lock().expect("staged states"))
+                .into_iter()
+                .map(|state| {
+                    *state
+                        .downcast::<T>()
+                        .expect("states of the mixture's backend")
+                })
+                .collect()
+        }
+    }
+
+    /// The mixture as one op forward and one backward (see the [module docs](super)).
+    #[backend_extension(Flex: cfg(feature = "flex"), Autodiff)]
+    pub(crate) trait TokenMixBackend: Backend {
+        /// Adds `state` to `staged`; returns it unchanged.
+        fn token_mix_stage(state: FloatTensor<Self>, staged: Staged) -> FloatTensor<Self>;
+
+        /// `m[t] = Σ_k W[t, k] x_k[t]` for `W` `[T, K]` and the `K` staged states `[T, d]`.
+        fn token_mix(weights: FloatTensor<Self>, staged: Staged) -> FloatTensor<Self>;
+
+        /// `[∂x_0, …, ∂x_{K−1}, ∂W]` for the gradient `∂m`. `sofar` stages one
+        /// `Option<Option<FloatTensor>>` per state: `None` where `x_k` needs no gradient, else
+        /// its gradient so far (if any), which `∂x_k` includes (updated in place where the op
+        /// owns it); `∂x_k` is an empty tensor where `x_k` needs none.
+        fn token_mix_backward(
+            weights: FloatTensor<Self>,
+            staged: Staged,
+            grad: FloatTensor<Self>,
+            sofar: Staged,
+        ) -> Vec<FloatTensor<Self>>;
+    }
+
+    /// The fused mixture of `[..., K]` weights and `[..., d]` states.
+    pub(super) fn token_mix<const D: usize>(
+        weights: Tensor<D>,
+        states: Vec<Tensor<D>>,
+    ) -> Tensor<D> {
+        // No reshape here: a state's gradient so far is found by its autodiff node, which a
+        // reshape would replace by a new one per mixture. The op reads `[..., d]` as rows.
+        let staged = Staged::default();
+        for state in states {
+            let _ = <Dispatch as TokenMixBackend>::token_mix_stage(
+                state.into_dispatch(),
+                staged.clone(),
+            );
+        }
+        let mixed = <Dispatch as TokenMixBackend>::token_mix(weights.into_dispatch(), staged);
+        Tensor::from_dispatch(mixed)
+    }
+
+    /// `(rows, width)` of a `[..., width]` tensor.
+    fn rows_and_width(tensor: &FlexTensor) -> (usize, usize) {
+        let shape = tensor.layout().shape();
+        let width = shape[shape.num_dims() - 1];
+        (shape.num_elements() / width.max(1), width)
+    }
+
+    /// Rows per parallel task for states of `width` elements a row.
+    fn rows_per_task(width: usize) -> usize {
+        (ELEMENTS_PER_TASK / width.max(1)).max(1)
+    }
+
+    fn forward<E: Scalar>(weights: &FlexTensor, states: &[FlexTensor]) -> FlexTensor {
+        let (tokens, width) = rows_and_width(&states[0]);
+        let shape = states[0].layout().shape().clone();
+        let count = states.len();
+        let weights = values::<E>(weights);
+        let states: Vec<Cow<'_, [E]>> = states.iter().map(values::<E>).collect();
+        let rows = rows_per_task(width);
+        let mut out = unwritten::<E>(tokens * width);
+        out.par_chunks_mut(rows * width)
+            .enumerate()
+            .for_each(|(task, chunk)| {
+                let chunk = zeroed(chunk);
+                // State by state over the task's rows (in cache): two streams at a time, where
+                // row by row would interleave all `K + 1`.
+                for (k, state) in states.iter().enumerate() {
+                    for (i, row) in chunk.chunks_mut(width).enumerate() {
+                        let t = task * rows + i;
+                        axpy(
+                            row,
+                            weights[t * count + k],
+                            &state[t * width..(t + 1) * width],
+                        );
+                    }
+                }
+            });
+        // SAFETY: the chunks partition `out`, and each was zeroed before it was written.
+        tensor(unsafe { written(out) }, [tokens, width]).reshape(shape)
+    }
+
+    /// Where one state's gradient goes: a fresh buffer, written as the gradient so far (if
+    /// any) plus this mixture's term, so that no separate add follows. The gradient so far is
+    /// only read: a buffer that autodiff handed over is never written in place.
+    struct Target<E> {
+        sofar: Option<FlexTensor>,
+        out: Vec<MaybeUninit<E>>,
+    }
+
+    /// A task's rows of one target: the rows of the gradient so far (if any) and the output's.
+    struct Rows<'a, E> {
+        sofar: Option<&'a [E]>,
+        out: &'a mut [MaybeUninit<E>],
+    }
+
+    impl<E: Scalar> Target<E> {
+        fn new(sofar: Option<FlexTensor>, len: usize) -> Self {
+            let sofar = sofar.map(|tensor| {
+                if tensor.layout().is_contiguous() && tensor.layout().start_offset() == 0 {
+                    tensor
+                } else {
+                    tensor.to_contiguous()
+                }
+            });
+            Self {
+                sofar,
+                out: unwritten::<E>(len),
+            }
+        }
+
+        /// The target cut into chunks of `size` elements.
+        fn chunks(&mut self, size: usize) -> Vec<Rows<'_, E>> {
+            let sofar = self.sofar.as_ref().map(|tensor| {
+                let values = tensor.as_slice::<E>().expect("contiguous");
+                values[..self.out.len()].chunks(size)
+            });
+            match sofar {
+                Some(sofar) => sofar
+                    .zip(self.out.chunks_mut(size))
+                    .map(|(sofar, out)| Rows {
+                        sofar: Some(sofar),
+                        out,
+                    })
+                    .collect(),
+                None => self
+                    .out
+                    .chunks_mut(size)
+                    .map(|out| Rows { sofar: None, out })
+                    .collect(),
+            }
+        }
+
+        fn into_tensor(self, shape: [usize; 2]) -> FlexTensor {
+            // SAFETY: the tasks' chunks partition the buffer, each written whole.
+            tensor(unsafe { written(self.out) }, shape)
+        }
+    }
+
+    /// One parallel task of the backward pass: its rows of every target (with the state's
+    /// index) and of `∂W`.
+    type Task<'a, E> = (Vec<(usize, Rows<'a, E>)>, &'a mut [MaybeUninit<E>]);
+
+    /// `∂W` and, for every state `k` with `sofar[k] = Some(g_k)` (its gradient so far, or
+    /// none yet), `g_k + W[:, k] ∂m`; `[∂x_0, …, ∂x_{K−1}, ∂W]`, an empty `∂x_k` where
+    /// `sofar[k]` is `None`.
+    fn backward<E: Scalar>(
+        weights: &FlexTensor,
+        states: &[FlexTensor],
+        grad: &FlexTensor,
+        sofar: Vec<Option<Option<FlexTensor>>>,
+    ) -> Vec<FlexTensor> {
+        let (tokens, width) = rows_and_width(&states[0]);
+        let shape = states[0].layout().shape().clone();
+        let weight_shape = weights.layout().shape().clone();
+        let count = states.len();
+        let weights = values::<E>(weights);
+        let grad = values::<E>(grad);
+        let states: Vec<Cow<'_, [E]>> = states.iter().map(values::<E>).collect();
+        let rows = rows_per_task(width);
+        let mut targets: Vec<Option<Target<E>>> = sofar
+            .into_iter()
+            .map(|sofar| sofar.map(|sofar| Target::new(sofar, tokens * width)))
+            .collect();
+        let mut weight_grad = unwritten::<E>(tokens * count);
+        // One task per block of rows: its rows of every target and of `∂W`.
+        let mut tasks: Vec<Task<'_, E>> = weight_grad
+            .chunks_mut(rows * count)
+            .map(|chunk| (Vec::with_capacity(count), chunk))
+            .collect();
+        for (k, target) in targets.iter_mut().enumerate() {
+            if let Some(target) = target {
+                for (task, chunk) in tasks.iter_mut().zip(target.chunks(rows * width)) {
+                    task.0.push((k, chunk));
+                }
+            }
+        }
+        tasks
+            .into_par_iter()
+            .enumerate()
+            .for_each(|(task, (outputs, weight_chunk))| {
+                let weight_chunk = zeroed(weight_chunk);
+                let mut outputs: Vec<(usize, &mut [E])> = outputs
+                    .into_iter()
+                    .map(|(k, Rows { sofar, out })| {
+                        let out = zeroed(out);
+                        if let Some(sofar) = sofar {
+                            out.copy_from_slice(sofar);
+                        }
+                        (k, out)
+                    })
+                    .collect();
+                // State by state over the task's rows, as forward; `∂m`'s rows stay in cache.
+                let first = task * rows;
+                let upstream = |i: usize| &grad[(first + i) * width..(first + i + 1) * width];
+                for (k, state) in states.iter().enumerate() {
+                    for (i, weight_row) in weight_chunk.chunks_mut(count).enumerate() {
+                        let t = first + i;
+                        weight_row[k] = dot(upstream(i), &state[t * width..(t + 1) * width]);
+                    }
+                }
+                for (k, output) in &mut outputs {
+                    for (i, row) in output.chunks_mut(width).enumerate() {
+                        axpy(row, weights[(first + i) * count + *k], upstream(i));
+                    }
+                }
+            });
+        let mut grads: Vec<FlexTensor> = targets
+            .into_iter()
+            .map(|target| match target {
+                Some(target) => target.into_tensor([tokens, width]).reshape(shape.clone()),
+                None => tensor(Vec::<E>::new(), [0]),
+            })
+            .collect();
+        // SAFETY: the tasks' chunks partition `∂W`, each zeroed before it was written.
+        grads.push(tensor(unsafe { written(weight_grad) }, [tokens, count]).reshape(weight_shape));
+        grads
+    }
+
+    impl TokenMixBackend for Flex {
+        fn token_mix_stage(state: FlexTensor, staged: Staged) -> FlexTensor {
+            staged.push(state.clone());
+            state
+        }
+
+        fn token_mix(weights: FlexTensor, staged: Staged) -> FlexTensor {
+            let states = staged.take::<FlexTensor>();
+            match states[0].dtype() {
+                DType::F32 => forward::<f32>(&weights, &states),
+                DType::F64 => forward::<f64>(&weights, &states),
+                other => panic!("token mix: unsupported dtype {other:?}"),
+            }
+        }
+
+        fn token_mix_backward(
+            weights: FlexTensor,
+            staged: Staged,
+            grad: FlexTensor,
+            sofar: Staged,
+        ) -> Vec<FlexTensor> {
+            let states = staged.take::<FlexTensor>();
+            let sofar = sofar.take::<Option<Option<FlexTensor>>>();
+            match states[0].dtype() {
+                DType::F32 => backward::<f32>(&weights, &states, &grad, sofar),
+                DType::F64 => backward::<f64>(&weights, &states, &grad, sofar),
+                other => panic!("token mix: unsupported dtype {other:?}"),
+            }
+        }
+    }
+
+    /// The fused mixture under autodiff: parents `[W, x_0, …, x_{K−1}, W, …]` (`N` of them).
+    #[derive(Debug)]
+    struct FusedTokenMix;
+
+    /// What the backward pass keeps: the inputs (`W` then the states) and the states' autodiff
+    /// tensors, whose gradients so far the backward takes over.
+    #[derive(Debug, Clone)]
+    struct Kept<B: Backend> {
+        inputs: Vec<FloatTensor<B>>,
+        states: Vec<FloatTensor<Autodiff<B>>>,
+    }
+
+    impl<B: TokenMixBackend, const N: usize> Backward<B, N> for FusedTokenMix {
+        type State = Kept<B>;
+
+        fn backward(
+            self,
+            ops: Ops<Self::State, N>,
+            grads: &mut Gradients,
+            _checkpointer: &mut Checkpointer,
+        ) {
+            let Kept {
+                mut inputs,
+                states: nodes,
+            } = ops.state;
+            let states = inputs.split_off(1);
+            // The states that need a gradient (the padding parents after them are `W` again).
+            let tracked: Vec<Option<_>> = nodes
+                .into_iter()
+                .zip(&ops.parents[1..])
+                .map(|(state, parent)| parent.as_ref().map(|_| state))
+                .collect();
+            let weights = inputs.pop().expect("the weights");
+            let grad = grads.consume::<B>(&ops.node);
+            // Each state's gradient so far leaves the container and comes back with this
+            // mixture's term added in the same pass: no separate add per state and mixture.
+            let sofar = Staged::default();
+            for state in &tracked {
+                sofar.push(state.as_ref().map(|state| grads.remove::<B>(state)));
+            }
+            let mut computed = B::token_mix_backward(weights, Staged::of(states), grad, sofar);
+            let weight_grad = computed.pop().expect("∂W");
+            for (state, state_grad) in tracked.iter().zip(computed) {
+                if let Some(state) = state {
+                    grads.register::<B>(state.node().id(), state_grad);
+                }
+            }
+            if let Some(parent) = &ops.parents[0] {
+                grads.register::<B>(parent.id, weight_grad);
+            }
+        }
+    }
+
+    /// The op with `N` parents (the inputs, then `W` repeated).
+    fn tracked<B, C, const N: usize>(
+        weights: FloatTensor<Autodiff<B, C>>,
+        states: Vec<FloatTensor<Autodiff<B, C>>>,
+    ) -> FloatTensor<Autodiff<B, C>>
+    where
+        B: TokenMixBackend,
+        C: CheckpointStrategy,
+    {
+        let kept_states = states.clone();
+        let inputs: Vec<_> = std::iter::once(weights).chain(states).collect();
+        // The padding repeats `W`, whose gradient the backward registers for the first parent
+        // only.
+        let nodes: [_; N] =
+            std::array::from_fn(|i| inputs[if i < inputs.len() { i } else { 0 }].node());
+        let primitives: Vec<FloatTensor<B>> = inputs
+            .into_iter()
+            .map(|input| input.into_primitive())
+            .collect();
+        let mixed = |primitives: Vec<FloatTensor<B>>| {
+            let mut primitives = primitives;
+            let states = primitives.split_off(1);
+            B::token_mix(primitives.pop().expect("the weights"), Staged::of(states))
+        };
+        match FusedTokenMix.prepare::<C>(nodes).compute_bound().stateful() {
+            OpsKind::Tracked(prep) => {
+                let output = mixed(primitives.clone());
+                let kept = Kept {
+                    inputs: primitives,
+                    states: kept_states,
+                };
+                prep.finish(kept, output)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(mixed(primitives)),
+        }
+    }
+
+    impl<B: TokenMixBackend, C: CheckpointStrategy> TokenMixBackend for Autodiff<B, C> {
+        fn token_mix_stage(state: FloatTensor<Self>, staged: Staged) -> FloatTensor<Self> {
+            staged.push(state.clone());
+            state
+        }
+
+        fn token_mix(weights: FloatTensor<Self>, staged: Staged) -> FloatTensor<Self> {
+            let states = staged.take::<FloatTensor<Self>>();
+            match states.len() + 1 {
+                0..=4 => tracked::<B, C, 4>(weights, states),
+                5..=8 => tracked::<B, C, 8>(weights, states),
+                9..=16 => tracked::<B, C, 16>(weights, states),
+                17..=32 => tracked::<B, C, 32>(weights, states),
+                parents => {
+                    assert!(parents <= MAX_STATES + 1, "token mix: too many states");
+                    tracked::<B, C, 64>(weights, states)
+                }
+            }
+        }
+
+        fn token_mix_backward(
+            weights: FloatTensor<Self>,
+            staged: Staged,
+            grad: FloatTensor<Self>,
+            sofar: Staged,
+        ) -> Vec<FloatTensor<Self>> {
+            let inner = |tensor: FloatTensor<Self>| tensor.into_primitive();
+            let states: Vec<FloatTensor<B>> = staged
+                .take::<FloatTensor<Self>>()
+                .into_iter()
+                .map(inner)
+                .collect();
+            let sofar: Vec<Option<Option<FloatTensor<B>>>> = sofar
+                .take::<Option<Option<FloatTensor<Self>>>>()
+                .into_iter()
+                .map(|sofar| sofar.map(|sofar| sofar.map(inner)))
+                .collect();
+            // First-order only: the gradients are constants to the graph.
+            B::token_mix_backward(
+                weights.into_primitive(),
+                Staged::of(states),
+                grad.into_primitive(),
+                Staged::of(sofar),
+            )
+            .into_iter()
+            .map(constant::<B, C>)
+            .collect()
+        }
+    }
+}
+
+#[cfg(all(test, feature = "flex"))]
+mod tests {
+    use burn::prelude::*;
+    use burn::tensor::{Distribution, FloatDType, Tolerance};
+
+    /// The fused op equals the composed form on Flex, values and the gradients of the weights
+    /// and of every tracked state, in f32 and f64, for mixtures of 1 to 40 states (every parent
+    /// count class), with an untracked state, the same state twice, and weights that are a
+    /// narrow of a wider tensor (a non-contiguous input).
+    #[test]
+    fn fused_equals_composed() {
+        let device = Device::flex().autodiff();
+        for dtype in [FloatDType::F32, FloatDType::F64] {
+            for count in [1, 2, 3, 7, 15, 31, 40] {
+                let normal = Distribution::Normal(0.0, 1.0);
+                let leaves: Vec<Tensor<3>> = (0..count)
+                    .map(|_| Tensor::<3>::random([2, 9, 20], normal, &device).cast(dtype))
+                    .collect();
+                let wide = Tensor::<3>::random([2, 9, count + 3], normal, &device).cast(dtype);
+                let probe = Tensor::<3>::random([2, 9, 20], normal, &device).cast(dtype);
+                let run = |fused: bool| {
+                    let wide = wide.clone().require_grad();
+                    // State 0 needs no gradient; the last state repeats state 1 where there are
+                    // three or more.
+                    let states: Vec<Tensor<3>> = leaves
+                        .iter()
+                        .enumerate()
+                        .map(|(k, leaf)| {
+                            if k == 0 {
+                                leaf.clone()
+                            } else {
+                                leaf.clone().require_grad()
+                            }
+                        })
+                        .collect();
+                    let mut inputs: Vec<Tensor<3>> =
+                        states.iter().map(|s| s.clone() * 1.5).collect();
+                    if count >= 3 {
+                        inputs[count - 1] = inputs[1].clone();
+                    }
+                    let weights = wide.clone().narrow(2, 2, count);
+                    let mixed = if fused {
+                        super::token_mix(weights, inputs)
+                    } else {
+                        super::composed(weights, inputs)
+                    };
+                    let grads = (mixed.clone() * probe.clone()).sum().backward();
+                    let mut out = vec![mixed.into_data(), wide.grad(&grads).unwrap().into_data()];
+                    // The last leaf goes unused where state 1 takes its place.
+                    let used = if count >= 3 { count - 1 } else { count };
+                    out.extend(
+                        states[1..used]
+                            .iter()
+                            .map(|s| s.grad(&grads).unwrap().into_data()),
+                    );
+                    assert!(states[0].grad(&grads).is_none());
+                    out
+                };
+                let tolerance = match dtype {
+                    FloatDType::F64 => Tolerance::absolute(1e-12).set_relative(1e-12),
+                    _ => Tolerance::absolute(1e-5).set_relative(1e-5),
+                };
+                for (fused, composed) in run(true).into_iter().zip(run(false)) {
+                    fused.assert_approx_eq::<f64>(&composed, tolerance);
+                }
+            }
+        }
+    }
+
+    /// Without autodiff the op runs the forward alone, equal to the composed form.
+    #[test]
+    fn forward_without_autodiff() {
+        let device = Device::flex();
+        let normal = Distribution::Normal(0.0, 1.0);
+        let states: Vec<Tensor<2>> = (0..5)
+            .map(|_| Tensor::random([33, 17], normal, &device))
+            .collect();
+        let weights = Tensor::<2>::random([33, 5], normal, &device);
+        let fused = super::token_mix(weights.clone(), states.clone());
+        let composed = super::composed(weights, states);
+        fused
+            .into_data()
+            .assert_approx_eq::<f32>(&composed.into_data(), Tolerance::absolute(1e-5));
+    }
+}

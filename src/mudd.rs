@@ -32,8 +32,9 @@
 //! **The matrix `C`** is the static part (`A_i = a_i`, the residual way): the connections of a
 //! token whose dynamic term vanishes.
 //!
-//! The weights' first layer `rms(X) W1` is the normalised projection op (one fused op each way on
-//! Flex); the rest are tensor ops.
+//! The weights' first layer `rms(X) W1` is the normalised projection op, and each way's mixture
+//! `Σ_j A[c, j] X_j` is the per-token mixture op (one fused op each way on Flex, for both); the
+//! rest are tensor ops.
 //!
 //! # Shapes
 //! - input, block inputs and outputs: `[..., d]`

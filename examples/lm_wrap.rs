@@ -199,6 +199,6 @@ fn run(flags: Flags) -> Result<(), String> {
     Ok(())
 }
 
-fn main() -> ExitCode {
+pub fn main() -> ExitCode {
     common::exit(run(Flags::parse()))
 }

@@ -47,7 +47,7 @@ fn parse(args: impl Iterator<Item = String>) -> Result<Flags, String> {
     Ok(Flags { dir, devices })
 }
 
-fn main() -> ExitCode {
+pub fn main() -> ExitCode {
     match run() {
         Ok(true) => ExitCode::SUCCESS,
         Ok(false) => ExitCode::FAILURE,

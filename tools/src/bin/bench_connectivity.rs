@@ -250,7 +250,7 @@ impl Report {
     }
 }
 
-fn main() -> ExitCode {
+pub fn main() -> ExitCode {
     common::exit(run(Flags::parse()))
 }
 

@@ -156,7 +156,7 @@ fn stream(device: &Device) -> Tensor<3> {
     Tensor::random([8, LENGTH, WIDTH], Distribution::Normal(0.0, 1.0), device)
 }
 
-fn main() -> ExitCode {
+pub fn main() -> ExitCode {
     common::exit(run(Flags::parse()))
 }
 

@@ -48,8 +48,9 @@ done
 # The gpu build leaves LLVM's symbols unresolved (tools/gpu/build.sh); a stub library defines them.
 GPU="env LD_PRELOAD=$PWD/.gpu/libllvmstub.so"
 # NVRTC for the CUDA backend (cudarc loads it at run time).
-for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib \
-    $(python3 -c 'import nvidia, os; p = nvidia.__path__[0]; print(" ".join(os.path.join(p, d, "lib") for d in os.listdir(p)))' 2>/dev/null); do
+for d in /usr/local/nvidia/lib64 /usr/local/nvidia/lib /usr/local/cuda/lib64 \
+    /usr/local/cuda/targets/x86_64-linux/lib \
+    $(python3 -c 'import nvidia, os; p = list(nvidia.__path__)[0]; print(" ".join(os.path.join(p, d, "lib") for d in os.listdir(p)))' 2>/dev/null); do
     [ -d "$d" ] && LD_LIBRARY_PATH="${LD_LIBRARY_PATH:-}:$d"
 done
 export LD_LIBRARY_PATH
@@ -88,8 +89,10 @@ grep -q '"device":"cuda"' "$OUT/bench.jsonl" || LM_DEVICE=vulkan
         step 90 $GPU .gpu/gpu/kernel_counts --device vulkan --depth "$depth" --variants "$TARGETS"
     done
 ) >>"$OUT/counts.log" 2>&1 &
-step 240 $GPU .gpu/gpu/conformance --dir tests/golden --device vulkan,cuda \
-    >>"$OUT/conformance.log" 2>&1 &
+(
+    step 150 $GPU .gpu/gpu/conformance --dir tests/golden --device vulkan
+    step 150 $GPU .gpu/gpu/conformance --dir tests/golden --device cuda
+) >>"$OUT/conformance.log" 2>&1 &
 LM=/tmp/lm
 mkdir -p "$LM"
 lm_wave() {

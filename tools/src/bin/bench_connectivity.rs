@@ -118,6 +118,19 @@ struct Flags {
     /// full on the GPU backends, reduced on the CPU ones.
     #[arg(long, value_enum)]
     model_size: Option<ModelSize>,
+    /// Passes of the stack and model workloads, comma separated (default: both). On a GPU each
+    /// pass's warm-up compiles and autotunes its own kernels: one pass costs half the time.
+    #[arg(long, value_enum, value_delimiter = ',', default_values_t = [Pass::Forward, Pass::TrainStep])]
+    passes: Vec<Pass>,
+}
+
+/// The passes a stack workload times.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+enum Pass {
+    /// The stack's forward pass, without autodiff.
+    Forward,
+    /// Forward and backward of the mean output under autodiff.
+    TrainStep,
 }
 
 /// The sizes of the model workload.
@@ -275,6 +288,7 @@ fn run(flags: Flags) -> Result<(), String> {
                 &variants,
                 runs,
                 warmup,
+                &flags.passes,
                 &mut report,
             );
         }
@@ -302,6 +316,7 @@ fn run(flags: Flags) -> Result<(), String> {
             &variants,
             runs,
             warmup,
+            &flags.passes,
             &mut report,
         );
         report.print_ratios(Variant::Residual.name());
@@ -340,10 +355,15 @@ fn time_stacks(
     variants: &[Variant],
     runs: usize,
     warmup: usize,
+    passes: &[Pass],
     report: &mut Report,
 ) {
     let training = device.clone().autodiff();
-    for (mode, device) in [("forward", device), ("train_step", &training)] {
+    let modes = [
+        (Pass::Forward, "forward", device),
+        (Pass::TrainStep, "train_step", &training),
+    ];
+    for (_, mode, device) in modes.into_iter().filter(|(pass, ..)| passes.contains(pass)) {
         let started = std::time::Instant::now();
         let models: Vec<Model> = variants
             .iter()

@@ -3,7 +3,7 @@
 # network, into .gpu/ for the device tool to carry (64 MiB in all):
 #   gpu_suite.xz     bench_connectivity, kernel_counts, lm_wrap and the conformance runner as one
 #                    binary (tools/src/bin/gpu_suite.rs), with wgpu (Vulkan: SPIR-V shaders, the
-#                    `vulkan` feature) and CUDA; stripped, about 5 MB compressed
+#                    `vulkan` feature) and CUDA; stripped and compressed (about 22 MB)
 #   libllvmstub.so   definitions of the LLVM symbols the binary leaves unresolved (below)
 #   COMMIT           the commit it was built from
 #

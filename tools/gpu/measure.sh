@@ -1,18 +1,35 @@
 #!/usr/bin/env bash
-# The GPU measurements of BENCHMARKS.md ("On a GPU") in one call of the device tool, on a machine
-# with an NVIDIA GPU, PyTorch, no Rust toolchain and no network. Needs what tools/gpu/build.sh
-# packs into .gpu/, the Vulkan loader's Debian packages in .gl/ and lucidrains'
-# hyper-connections wheels in .whl/ (BENCHMARKS.md says how to fetch both). Writes to $OUT:
-#   env.txt    GPU, driver, commit          bench.jsonl  bench_connectivity's and the peer's lines
-#   bench.log  their stderr (ratio tables)  counts.log   kernel_counts (table and JSON lines)
-#   conformance.log                         lm.log       the LM runs (one process per run)
+# The GPU measurements of BENCHMARKS.md in one call of the device tool, on a machine with an
+# NVIDIA GPU, PyTorch, no Rust toolchain and no network. Needs what tools/gpu/build.sh packs
+# into .gpu/, the Vulkan loader's Debian packages in .gl/ (for the Vulkan stages) and
+# lucidrains' hyper-connections wheels in .whl/ (BENCHMARKS.md, "On a GPU machine", says how to
+# fetch both). Carry .gpu, .gl and .whl.
 #
-#   bash tools/gpu/measure.sh [SECONDS]     # SECONDS: the whole budget (default 540)
+#   bash tools/gpu/measure.sh SECONDS [STAGE ...]
+#
+# SECONDS is the whole budget: each stage gets its own limit, cut to what is left, and a stage
+# that would start with under 5 s is skipped. Stages, in the default order (what the 2026-11-26
+# H200 lease taught: compiling and autotuning dominate, about 65 s for a forward pass of six
+# variants on CUDA, 105 s for their train step, over 170 s for every variant on Vulkan):
+#   peer            PyTorch's residual, lucidrains' HC and mHC, model workload (about 15 s)
+#   cuda-train      the model workload's train step on CUDA, the targets' variants
+#   cuda-forward    its forward pass
+#   cuda-profile    per-kernel times of one HC and one mHC train step (CUBECL_DEBUG_OPTION=profile)
+#   conformance     the golden vectors on CUDA (prints at the end only)
+#   vulkan-train    the train step on wgpu's Vulkan path (SPIR-V)
+#   counts          kernel counts on Vulkan, depth 12
+#   new-variants    the train step of the 2025-26 methods on CUDA
+#   lm              reproduce --scale's LM runs, residual, AttnRes and MUDD, 3 seeds each
+# Writes to $OUT (at most 8 files come back): env.txt, bench.jsonl (the JSON lines of every
+# timing stage), bench.log (their stderr), profile.log, conformance.log, counts.log, lm.log.
 set -u
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-target/gpu-out}
 mkdir -p "$OUT"
-BUDGET=${1:-540}
+BUDGET=${1:?usage: measure.sh SECONDS [STAGE ...]}
+shift
+STAGES=("$@")
+((${#STAGES[@]})) || STAGES=(peer cuda-train cuda-forward cuda-profile conformance vulkan-train counts new-variants lm)
 END=$((SECONDS + BUDGET))
 left() { echo $((END - SECONDS)); }
 # step LIMIT CMD...: runs CMD for at most LIMIT seconds (less if the budget runs out).
@@ -31,26 +48,27 @@ step() {
     echo "== rc=$? after $SECONDS s"
 }
 
-# Set-up: the Vulkan loader, the peer's wheels, the binaries.
-for f in .gl/*.deb; do dpkg -x "$f" /; done
-ldconfig
+# Set-up: the Vulkan loader, the peer's wheels, the binary and its links.
+if ls .gl/*.deb >/dev/null 2>&1; then
+    for f in .gl/*.deb; do dpkg -x "$f" /; done
+    ldconfig
+fi
 if ! ls /usr/share/vulkan/icd.d/nvidia* /etc/vulkan/icd.d/nvidia* >/dev/null 2>&1; then
     export VK_DRIVER_FILES=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json
 fi
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
-# Each build is one binary (tools/src/bin/gpu_suite.rs) run through links named after its programs.
-(cd .gpu && for f in *.xz; do xz -d -f -T0 "$f"; done && chmod +x ./*_suite)
-mkdir -p .gpu/gpu
+(cd .gpu && xz -d -f -T0 gpu_suite.xz && chmod +x gpu_suite)
+mkdir -p .gpu/bin
 for program in bench_connectivity kernel_counts lm_wrap conformance; do
-    ln -sf ../gpu_suite ".gpu/gpu/$program"
+    ln -sf ../gpu_suite ".gpu/bin/$program"
 done
-# The gpu build leaves LLVM's symbols unresolved (tools/gpu/build.sh); a stub library defines them.
-GPU="env LD_PRELOAD=$PWD/.gpu/libllvmstub.so"
-# NVRTC for the CUDA backend (cudarc loads it at run time).
+# The binary leaves LLVM's symbols unresolved (tools/gpu/build.sh); the stub library defines them.
+RUN=(env LD_PRELOAD="$PWD/.gpu/libllvmstub.so")
+BIN=.gpu/bin
+# The driver's libcuda and NVRTC (cudarc loads both at run time).
 for d in /usr/local/nvidia/lib64 /usr/local/nvidia/lib /usr/local/cuda/lib64 \
-    /usr/local/cuda/targets/x86_64-linux/lib \
-    $(python3 -c 'import nvidia, os; p = list(nvidia.__path__)[0]; print(" ".join(os.path.join(p, d, "lib") for d in os.listdir(p)))' 2>/dev/null); do
+    /usr/local/cuda/targets/x86_64-linux/lib; do
     [ -d "$d" ] && LD_LIBRARY_PATH="${LD_LIBRARY_PATH:-}:$d"
 done
 export LD_LIBRARY_PATH
@@ -59,63 +77,60 @@ export LD_LIBRARY_PATH
     nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
     nvidia-smi | head -4 | tail -2
     python3 -c 'import torch, hyper_connections; print("torch", torch.__version__, "cuda", torch.version.cuda)'
-    ldconfig -p | grep -E 'libvulkan|libnvrtc' | head
     nproc
 } >"$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 
-# 1. The model workload, timed with the GPU to itself: PyTorch (residual, lucidrains' HC and mHC)
-#    on CUDA, then the crate on wgpu's Vulkan (SPIR-V: every variant) and on CUDA (the variants
-#    with GPU targets). Each warm-up compiles and autotunes that backend's kernels.
 TARGETS=hacn,ancre,dwa,hc,mhc
-bench() { # bench LIMIT DEVICE [VARIANTS]
-    step "$1" $GPU .gpu/gpu/bench_connectivity --device "$2" --only model --runs 5 --warmup 2 \
-        --variants "${3:-}" >>"$OUT/bench.jsonl" 2>>"$OUT/bench.log"
-    tail -12 "$OUT/bench.log"
+NEW=attnres,block_attnres,mhc_v4,laurel,mhc_lite,mudd
+bench() { # bench LIMIT DEVICE PASS VARIANTS
+    step "$1" "${RUN[@]}" $BIN/bench_connectivity --device "$2" --only model --runs 5 \
+        --warmup 2 --passes "$3" --variants "$4" >>"$OUT/bench.jsonl" 2>>"$OUT/bench.log"
+    grep -a 'x residual' "$OUT/bench.log" | tail -12
 }
-step 60 python3 tools/peer/hyper_connections_peer.py --device cuda --workload model \
-    --runs 7 --warmup 3 >>"$OUT/bench.jsonl" 2>>"$OUT/bench.log"
-bench 170 vulkan
-bench 130 cuda "$TARGETS"
-
-# 2. Untimed, side by side until the budget is spent: kernel counts on the GPU (the fusion
-#    engine groups differently than on lavapipe), the golden vectors on every GPU backend, and
-#    the LM runs of `reproduce --scale` (8 layers of width 256, 2000 steps, seeds 1-3), one
-#    process per run (lm_wrap with reproduce's recipe), the newest methods' claims first.
-LM_DEVICE=cuda
-grep -q '"device":"cuda"' "$OUT/bench.jsonl" || LM_DEVICE=vulkan
-(
-    for depth in 4 12; do
-        step 90 $GPU .gpu/gpu/kernel_counts --device vulkan --depth "$depth" --variants "$TARGETS"
-    done
-) >>"$OUT/counts.log" 2>&1 &
-(
-    step 150 $GPU .gpu/gpu/conformance --dir tests/golden --device vulkan
-    step 150 $GPU .gpu/gpu/conformance --dir tests/golden --device cuda
-) >>"$OUT/conformance.log" 2>&1 &
-LM=/tmp/lm
-mkdir -p "$LM"
-lm_wave() {
-    local pids=()
-    for which in "$@"; do
+lm_runs() {
+    local pids=() which seed
+    mkdir -p /tmp/lm
+    for which in residual attnres mudd; do
         for seed in 1 2 3; do
-            step "$(left)" $GPU .gpu/gpu/lm_wrap --device "$LM_DEVICE" --steps 2000 --layers 8 \
+            step "$(left)" "${RUN[@]}" $BIN/lm_wrap --device cuda --steps 2000 --layers 8 \
                 --width 256 --heads 8 --context 128 --batch 32 --connectivity "$which" \
-                --seed "$seed" >"$LM/lm_${which}_$seed.log" 2>&1 &
+                --seed "$seed" >"/tmp/lm/lm_${which}_$seed.log" 2>&1 &
             pids+=($!)
         done
     done
     wait "${pids[@]}"
+    for f in /tmp/lm/lm_*.log; do
+        echo "## $(basename "$f" .log)"
+        grep -aE 'valid loss|error|rc=|panicked' "$f" | tail -3
+    done >>"$OUT/lm.log"
 }
-lm_wave residual attnres mudd
-(($(left) > 150)) && lm_wave hc mhc block_attnres
-wait
-for f in "$LM"/lm_*.log; do
-    echo "## $(basename "$f" .log)"
-    grep -aE 'valid loss|error|rc=|panicked' "$f" | tail -3
-done >"$OUT/lm.log"
-tar -czf "$OUT/lm_runs.tar.gz" -C "$LM" .
+
+for stage in "${STAGES[@]}"; do
+    case $stage in
+    peer)
+        step 40 python3 tools/peer/hyper_connections_peer.py --device cuda --workload model \
+            --runs 7 --warmup 3 >>"$OUT/bench.jsonl" 2>>"$OUT/bench.log" ;;
+    cuda-train) bench 150 cuda train-step "$TARGETS" ;;
+    cuda-forward) bench 100 cuda forward "$TARGETS" ;;
+    cuda-profile)
+        step 120 "${RUN[@]}" CUBECL_DEBUG_OPTION=profile $BIN/bench_connectivity --device cuda \
+            --only model --runs 1 --warmup 2 --passes train-step --variants hc,mhc \
+            >>"$OUT/profile.log" 2>&1 ;;
+    conformance)
+        step 240 "${RUN[@]}" $BIN/conformance --dir tests/golden --device cuda \
+            >>"$OUT/conformance.log" 2>&1
+        grep -aE 'passed|FAIL' "$OUT/conformance.log" | tail -5 ;;
+    vulkan-train) bench 200 vulkan train-step "$TARGETS" ;;
+    counts)
+        step 90 "${RUN[@]}" $BIN/kernel_counts --device vulkan --depth 12 --variants "$TARGETS" \
+            >>"$OUT/counts.log" 2>&1
+        grep -a '"pass": "train_step"' "$OUT/counts.log" | tail -6 ;;
+    new-variants) bench 200 cuda train-step "$NEW" ;;
+    lm)
+        lm_runs
+        cat "$OUT/lm.log" ;;
+    *) echo "unknown stage $stage" ;;
+    esac
+done
 echo "== done after $SECONDS s"
-cat "$OUT/lm.log"
-grep -aE 'passed|FAIL' "$OUT/conformance.log" | tail -5
-grep -a '"pass": "train_step"' "$OUT/counts.log" | tail -20

@@ -264,6 +264,41 @@ impl MhcLayer {
         (pre, post, mixed.narrow(1, 2 * n, residual))
     }
 
+    /// On CubeCL devices, the layer's `[H_pre; H_resᵀ; H_post]` as one connection table made by
+    /// one kernel (`None` where the pass composes them): `H_res` by Sinkhorn-Knopp
+    /// (`iterations`), or the softmax mixture of the matrices `mixture` gives (`[m, n²]`,
+    /// mHC-lite's permutations).
+    #[cfg(feature = "cube-kernels")]
+    pub(crate) fn table_mixing(
+        &self,
+        units: &Tensor<3>,
+        ops: &LayerOps,
+        iterations: usize,
+        mixture: impl FnOnce() -> Option<Tensor<2>>,
+    ) -> Option<Mixing> {
+        let (table, slot) = ops.table(|| {
+            let [tokens, n, width] = units.dims();
+            crate::backend::Normalised {
+                rows: units.clone().reshape([tokens, n * width]),
+                weights: self.phi.val(),
+                scales: [
+                    self.alpha_pre.val(),
+                    self.alpha_post.val(),
+                    self.alpha_res.val(),
+                ],
+                bias: self.bias.val(),
+                streams: n,
+                input_offset: MHC_EPS,
+                depth_factor: 2.0,
+                sinkhorn_iterations: iterations,
+                sinkhorn_epsilon: MHC_EPS,
+                mixture: mixture(),
+                row_scale: norm_scale(n * width),
+            }
+        })?;
+        Some(Mixing::table(table, 1, slot))
+    }
+
     /// `H_pre`, `H_post`, `H_res` for the streams `[tokens, n, C]`.
     pub fn connections(&self, streams: &Tensor<3>, iterations: usize) -> MhcConnections {
         self.connections_with(streams, iterations, &LayerOps::standalone(streams))
@@ -319,32 +354,12 @@ pub struct MhcMixing<'a> {
 
 impl MixingLayer for MhcMixing<'_> {
     fn mixing(&self, units: &Tensor<3>, ops: &LayerOps) -> Mixing {
-        // On CubeCL devices: `[H_pre; H_resᵀ; H_post]` as one table, made by one kernel.
         #[cfg(feature = "cube-kernels")]
+        if let Some(mixing) = self
+            .layer
+            .table_mixing(units, ops, self.iterations, || None)
         {
-            let layer = self.layer;
-            let table = ops.table(|| {
-                let [tokens, n, width] = units.dims();
-                crate::backend::Normalised {
-                    rows: units.clone().reshape([tokens, n * width]),
-                    weights: layer.phi.val(),
-                    scales: [
-                        layer.alpha_pre.val(),
-                        layer.alpha_post.val(),
-                        layer.alpha_res.val(),
-                    ],
-                    bias: layer.bias.val(),
-                    streams: n,
-                    input_offset: MHC_EPS,
-                    depth_factor: 2.0,
-                    sinkhorn_iterations: self.iterations,
-                    sinkhorn_epsilon: MHC_EPS,
-                    row_scale: norm_scale(n * width),
-                }
-            });
-            if let Some((table, slot)) = table {
-                return Mixing::table(table, 1, slot);
-            }
+            return mixing;
         }
         let [tokens, n, _] = units.dims();
         let MhcConnections { pre, post, res } =

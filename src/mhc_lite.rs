@@ -31,6 +31,10 @@
 //!
 //! **The matrix `C`** is that of a token whose streams vanish (`H~ = b`), as for mHC.
 //!
+//! **Backends.** On Flex, mHC's fused projection and stream mixing; on CubeCL devices, mHC's
+//! connection table with `H_res` the softmax mixture of the permutation matrices inside its
+//! kernel (one kernel forward, three backward) and mHC's mixing kernels; tensor ops elsewhere.
+//!
 //! # Shapes
 //! - input, block inputs and outputs: `[..., C]`; units `[T, n, C]`
 //! - `layers[j].phi`: `[nC, 2n + n!]`, `bias`: `[2n + n!]`, `alpha_*`: `[1]`
@@ -175,6 +179,15 @@ pub struct MhcLiteMixing<'a> {
 
 impl MixingLayer for MhcLiteMixing<'_> {
     fn mixing(&self, units: &Tensor<3>, ops: &LayerOps) -> Mixing {
+        // On CubeCL devices: mHC's connection table, `H_res` the softmax mixture of the
+        // permutation matrices inside its kernel.
+        #[cfg(feature = "cube-kernels")]
+        if let Some(mixing) = self.layer.table_mixing(units, ops, 0, || {
+            let [_, n, _] = units.dims();
+            Some(permutation_matrices(n, &units.device()))
+        }) {
+            return mixing;
+        }
         let [tokens, n, _] = units.dims();
         let MhcConnections { pre, post, res } = connections(self.layer, units, ops);
         mixing(pre, post, res, tokens, n)
@@ -392,6 +405,48 @@ mod tests {
             assert_close(
                 stack.truncated(depth).unwrap().forward(x.clone()),
                 expected.clone(),
+            );
+        }
+    }
+
+    /// mHC's connection-table kernels with `H_res` the softmax mixture of the permutation
+    /// matrices against mHC-lite's composed connections on wgpu, values and every parameter's
+    /// gradient: 2, 3 and 4 streams (2, 6 and 24 permutations), widths below and above the
+    /// cube's units.
+    #[cfg(feature = "wgpu")]
+    #[test]
+    fn connection_table_kernels_match_the_composed_connections() {
+        use crate::test_util::{Perturbed, assert_table_kernels_match_composed, gradient_data};
+        use burn::tensor::Distribution;
+        let device = crate::device::device("wgpu")
+            .expect("compiled in")
+            .autodiff();
+        for (streams, tokens, width) in [(4, 37, 24), (3, 5, 300), (2, 9, 8)] {
+            let lite = MhcLiteConfig::new(width)
+                .with_streams(streams)
+                .with_phi_std(0.3)
+                .init(1, &device)
+                .expect("valid config")
+                .map(&mut Perturbed(1.0));
+            let layer = &lite.layers[0];
+            let units = Tensor::random(
+                [tokens, streams, width],
+                Distribution::Normal(0.0, 1.0),
+                &device,
+            );
+            assert_table_kernels_match_composed(
+                &units,
+                |units, ops| lite.mixing(0).expect("one block").mixing(units, ops),
+                |grads| {
+                    vec![
+                        gradient_data(&layer.phi, grads),
+                        gradient_data(&layer.alpha_pre, grads),
+                        gradient_data(&layer.alpha_post, grads),
+                        gradient_data(&layer.alpha_res, grads),
+                        gradient_data(&layer.bias, grads),
+                    ]
+                },
+                &format!("mHC-lite n={streams} tokens={tokens} C={width}"),
             );
         }
     }

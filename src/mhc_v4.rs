@@ -28,8 +28,10 @@
 //! the connections in float32 whatever the streams' type; here they take the streams' type.
 //!
 //! The row scale and projection are the normalised projection mHC uses (one fused op on Flex,
-//! with the RMS scale); on CubeCL they and the gates are tensor ops. The stream mixing is
-//! mHC's (fused on Flex, kernels on CubeCL).
+//! with the RMS scale); on CubeCL a layer's connections are mHC's connection table with the RMS
+//! row scale and `Φ = Fᵀ` (one kernel forward, Sinkhorn-Knopp inside, three backward) and the
+//! head's projection is the unit projection kernel. The stream mixing is mHC's (fused on Flex,
+//! kernels on CubeCL).
 //!
 //! # Shapes
 //! - input, block inputs and outputs: `[..., C]`; units `[T, n, C]`
@@ -177,6 +179,32 @@ pub struct MhcV4Mixing<'a> {
 
 impl MixingLayer for MhcV4Mixing<'_> {
     fn mixing(&self, units: &Tensor<3>, ops: &LayerOps) -> Mixing {
+        // On CubeCL devices: mHC's table `[H_pre; H_resᵀ; H_post]` with the RMS row scale and
+        // `Φ = Fᵀ`, made by one kernel.
+        #[cfg(feature = "cube-kernels")]
+        {
+            let layer = self.layer;
+            let table = ops.table(|| {
+                let [tokens, n, width] = units.dims();
+                let scale = |group: usize| layer.scale.val().narrow(0, group, 1);
+                crate::backend::Normalised {
+                    rows: units.clone().reshape([tokens, n * width]),
+                    weights: layer.weights.val().transpose(),
+                    scales: [scale(0), scale(1), scale(2)],
+                    bias: layer.base.val(),
+                    streams: n,
+                    input_offset: MHC_EPS,
+                    depth_factor: 2.0,
+                    sinkhorn_iterations: self.iterations,
+                    sinkhorn_epsilon: MHC_EPS,
+                    mixture: None,
+                    row_scale: RowScale::rms(n * width, MHC_EPS),
+                }
+            });
+            if let Some((table, slot)) = table {
+                return Mixing::table(table, 1, slot);
+            }
+        }
         let [tokens, n, _] = units.dims();
         let z = normalised_projection(units, self.layer.weights.val(), ops);
         let pre = sigmoid(affine(&z, self.layer, 0, 0, n)).add_scalar(MHC_EPS);
@@ -301,6 +329,48 @@ mod tests {
             .reshape(x.dims());
         assert_eq!(width, WIDTH);
         assert_close(connectivity.output(&state), expected);
+    }
+
+    /// mHC's connection-table kernels with the RMS row scale (`ε` inside the root) and
+    /// `Φ = Fᵀ` against V4's composed connections on wgpu, values and every parameter's
+    /// gradient (the three scales through their `narrow`s): two stream counts, widths below and
+    /// above the cube's units.
+    #[cfg(feature = "wgpu")]
+    #[test]
+    fn connection_table_kernels_match_the_composed_connections() {
+        use crate::test_util::{Perturbed, assert_table_kernels_match_composed, gradient_data};
+        use burn::tensor::Distribution;
+        let device = crate::device::device("wgpu")
+            .expect("compiled in")
+            .autodiff();
+        for (streams, iterations, tokens, width) in [(4, 20, 37, 24), (2, 5, 6, 300)] {
+            let v4 = MhcV4Config::new(width)
+                .with_streams(streams)
+                .with_sinkhorn_iterations(iterations)
+                .with_init_std(0.3)
+                .init(1, &device)
+                .expect("valid config")
+                .map(&mut Perturbed(0.3));
+            let layer = &v4.layers[0];
+            // Small units, so that the RMS scale's ε matters next to the rows' mean square.
+            let units = Tensor::random(
+                [tokens, streams, width],
+                Distribution::Normal(0.0, 1e-3),
+                &device,
+            );
+            assert_table_kernels_match_composed(
+                &units,
+                |units, ops| v4.mixing(0).expect("one block").mixing(units, ops),
+                |grads| {
+                    vec![
+                        gradient_data(&layer.weights, grads),
+                        gradient_data(&layer.base, grads),
+                        gradient_data(&layer.scale, grads),
+                    ]
+                },
+                &format!("V4 n={streams} T={iterations} tokens={tokens} C={width}"),
+            );
+        }
     }
 
     #[test]

@@ -12,8 +12,8 @@
 //! makes the projection weights' gradient, and one kernel sums the small parameters' gradients
 //! over the tokens, one cube each.
 //!
-//! Two forms, with their constants passed in. The row scale is `s(n) = a / max(n + b, f)` of the
-//! row norm `n = ‖x_r‖₂` (as in the normalised projection).
+//! Two forms, with their constants passed in. The row scale is `s(n) = a / max(√(n² + c) + b, f)`
+//! of the row norm `n = ‖x_r‖₂` (as in the normalised projection; `c = 0` in the gated form).
 //!
 //! **Gated** (rows are units: `R = T·U`, row `r = t·U + q`; `W [w, K]`, `K = V + U`, `v [w]`,
 //! gain `γ [w]`, scalars `m_W`, `m_v`, static parts `A [U, K]`, `b [U]`; `act` is `tanh` or the
@@ -25,15 +25,17 @@
 //! table[t, K, q] = m_v · act(p_rK) + b[q]
 //! ```
 //!
-//! **Normalised** (rows are tokens: `R = T`, `x_t` the `n` units flattened; `Φ [N, 2n + n²]`,
-//! scalars `α_in`, `α_depth`, `α_res`, bias `c [2n + n²]`; constants `ε_in`, `k`, and
-//! Sinkhorn-Knopp's iterations and `ε`):
+//! **Normalised** (rows are tokens: `R = T`, `x_t` the `n` units flattened; `Φ [N, 2n + r]`,
+//! scalars `α_in`, `α_depth`, `α_res`, bias `c [2n + r]`; constants `ε_in`, `k`; the residual
+//! part `H` from the last `r` logits, either Sinkhorn-Knopp (`r = n²`, its iterations and `ε`)
+//! or a softmax mixture of `m` given matrices `M [m, n²]` (`r = m`)):
 //!
 //! ```text
 //! z     = α_g · s(‖x_t‖) · x_t Φ + c       (α_g: α_in for the first n entries, α_depth for the
-//!                                          next n, α_res for the n² after them)
+//!                                          next n, α_res for the r after them)
+//! H     = SK(z[2n:] as n × n)   or   H = Σ_p softmax(z[2n:])_p M_p   (M_p row-major n × n)
 //! table[t, 0, k]     = σ(z_k) + ε_in
-//! table[t, 1 + i, k] = SK(z[2n:] as n × n)[k][i]
+//! table[t, 1 + i, k] = H[k][i]
 //! table[t, n + 1, i] = k · σ(z_{n+i})
 //! ```
 //!
@@ -104,6 +106,9 @@ pub(crate) struct Normalised {
     pub depth_factor: f64,
     pub sinkhorn_iterations: usize,
     pub sinkhorn_epsilon: f64,
+    /// `M [m, n²]`: `H` is the softmax mixture of these matrices (the last `m` logits) instead
+    /// of Sinkhorn-Knopp (whose iterations and `ε` are then unused). Constants: no gradient.
+    pub mixture: Option<Tensor<2>>,
     pub row_scale: RowScale,
 }
 
@@ -146,7 +151,11 @@ impl TableForm for Gated {
             tanh,
             row_scale,
         } = self;
-        debug_assert_eq!(row_scale.root_offset, 0.0, "the table kernels take c = 0");
+        // HC's and frac-connections' row scale `a / max(n + b, f)`: the gated kernels take c = 0.
+        debug_assert_eq!(
+            row_scale.root_offset, 0.0,
+            "the gated table kernels take c = 0"
+        );
         Tensor::from_dispatch(<Dispatch as ConnectionTableBackend>::gated_table(
             rows.into_dispatch(),
             mixing_weights.into_dispatch(),
@@ -177,6 +186,7 @@ impl TableForm for Normalised {
             self.bias.dtype(),
         ]
         .into_iter()
+        .chain(self.mixture.as_ref().map(|m| m.dtype()))
         .all(|other| other == dtype)
     }
 
@@ -191,9 +201,13 @@ impl TableForm for Normalised {
             depth_factor,
             sinkhorn_iterations,
             sinkhorn_epsilon,
+            mixture,
             row_scale,
         } = self;
-        debug_assert_eq!(row_scale.root_offset, 0.0, "the table kernels take c = 0");
+        // Sinkhorn-Knopp reads no matrices: the bias stands in for them. Either is detached,
+        // as the op registers no gradient for it.
+        let mixtures = mixture.as_ref().map_or(0, |m| m.dims()[0]);
+        let matrices = mixture.unwrap_or_else(|| bias.clone().unsqueeze()).detach();
         Tensor::from_dispatch(<Dispatch as ConnectionTableBackend>::normalised_table(
             rows.into_dispatch(),
             weights.into_dispatch(),
@@ -201,13 +215,16 @@ impl TableForm for Normalised {
             depth_scale.into_dispatch(),
             residual_scale.into_dispatch(),
             bias.into_dispatch(),
+            matrices.into_dispatch(),
             streams,
+            mixtures,
             sinkhorn_iterations,
             input_offset,
             depth_factor,
             sinkhorn_epsilon,
             row_scale.numerator,
             row_scale.offset,
+            row_scale.root_offset,
             slot,
         ))
     }
@@ -292,8 +309,9 @@ pub(crate) trait ConnectionTableBackend: Backend {
         FloatTensor<Self>,
     );
 
-    /// The normalised form's table `[T, n + 2, n]`.
-    #[fusion(meta = |rows, _, _, _, _, _, streams, _, _, _, _, _, _, _| TensorSpec::new(
+    /// The normalised form's table `[T, n + 2, n]`; `matrices [m, n²]` the mixture's where
+    /// `mixtures = m > 0`, else Sinkhorn-Knopp (and `matrices` unread).
+    #[fusion(meta = |rows, _, _, _, _, _, _, streams, _, _, _, _, _, _, _, _, _| TensorSpec::new(
         Shape::new([rows.shape[0], *streams + 2, *streams]),
         rows.dtype,
     ))]
@@ -305,21 +323,24 @@ pub(crate) trait ConnectionTableBackend: Backend {
         depth_scale: FloatTensor<Self>,
         residual_scale: FloatTensor<Self>,
         bias: FloatTensor<Self>,
+        matrices: FloatTensor<Self>,
         streams: usize,
+        mixtures: usize,
         iterations: usize,
         input_offset: f64,
         depth_factor: f64,
         sinkhorn_epsilon: f64,
         numerator: f64,
         offset: f64,
+        root_offset: f64,
         slot: u64,
     ) -> FloatTensor<Self>;
 
-    /// The gradients of the normalised form's six inputs, given the table's; `previous_rows`,
-    /// `input_grad` (`[T, 1, C]`) and `input_views` (0 or 1) as in
+    /// The gradients of the normalised form's six inputs (not the mixture's matrices), given
+    /// the table's; `previous_rows`, `input_grad` (`[T, 1, C]`) and `input_views` (0 or 1) as in
     /// [`gated_table_backward`](Self::gated_table_backward).
     #[fusion(meta = |rows, weights, input_scale, depth_scale, residual_scale, bias, _, _, _, _, _,
-        _, _, _, _, _, _, _| (
+        _, _, _, _, _, _, _, _, _, _| (
         rows.clone(),
         weights.clone(),
         input_scale.clone(),
@@ -335,18 +356,21 @@ pub(crate) trait ConnectionTableBackend: Backend {
         depth_scale: FloatTensor<Self>,
         residual_scale: FloatTensor<Self>,
         bias: FloatTensor<Self>,
+        matrices: FloatTensor<Self>,
         grad: FloatTensor<Self>,
         previous_rows: FloatTensor<Self>,
         with_previous_rows: bool,
         input_grad: FloatTensor<Self>,
         input_views: usize,
         streams: usize,
+        mixtures: usize,
         iterations: usize,
         input_offset: f64,
         depth_factor: f64,
         sinkhorn_epsilon: f64,
         numerator: f64,
         offset: f64,
+        root_offset: f64,
     ) -> (
         FloatTensor<Self>,
         FloatTensor<Self>,
@@ -422,24 +446,26 @@ impl<B: ConnectionTableBackend> Backward<B, 8> for GatedTable {
 #[derive(Debug, Clone, Copy)]
 struct NormalisedConstants {
     streams: usize,
+    mixtures: usize,
     iterations: usize,
     input_offset: f64,
     depth_factor: f64,
     sinkhorn_epsilon: f64,
     numerator: f64,
     offset: f64,
+    root_offset: f64,
     slot: u64,
 }
 
 #[derive(Debug)]
 struct NormalisedTable;
 
-impl<B: ConnectionTableBackend> Backward<B, 6> for NormalisedTable {
-    type State = ([NodeId; 6], NormalisedConstants);
+impl<B: ConnectionTableBackend> Backward<B, 7> for NormalisedTable {
+    type State = ([NodeId; 7], NormalisedConstants);
 
     fn backward(
         self,
-        ops: Ops<Self::State, 6>,
+        ops: Ops<Self::State, 7>,
         grads: &mut Gradients,
         checkpointer: &mut Checkpointer,
     ) {
@@ -452,6 +478,7 @@ impl<B: ConnectionTableBackend> Backward<B, 6> for NormalisedTable {
             depth_scale,
             residual_scale,
             bias,
+            matrices,
         ] = nodes.map(|id| checkpointer.retrieve_node_output(id));
         // As in the gated form's.
         let previous = take::<FloatTensor<B>>(k.slot, Part::Units);
@@ -464,20 +491,25 @@ impl<B: ConnectionTableBackend> Backward<B, 6> for NormalisedTable {
             depth_scale,
             residual_scale,
             bias,
+            matrices,
             grad.clone(),
             previous.unwrap_or(grad),
             with_previous,
             input_grad,
             input_views,
             k.streams,
+            k.mixtures,
             k.iterations,
             k.input_offset,
             k.depth_factor,
             k.sinkhorn_epsilon,
             k.numerator,
             k.offset,
+            k.root_offset,
         );
-        register_tracked!(grads, ops.parents, [a, b, c, d, e, f]);
+        // The mixture's matrices are constants: no gradient is registered for them.
+        let [p0, p1, p2, p3, p4, p5, _] = ops.parents;
+        register_tracked!(grads, [p0, p1, p2, p3, p4, p5], [a, b, c, d, e, f]);
     }
 }
 
@@ -595,23 +627,28 @@ impl<B: ConnectionTableBackend, C: CheckpointStrategy> ConnectionTableBackend fo
         depth_scale: FloatTensor<Self>,
         residual_scale: FloatTensor<Self>,
         bias: FloatTensor<Self>,
+        matrices: FloatTensor<Self>,
         streams: usize,
+        mixtures: usize,
         iterations: usize,
         input_offset: f64,
         depth_factor: f64,
         sinkhorn_epsilon: f64,
         numerator: f64,
         offset: f64,
+        root_offset: f64,
         slot: u64,
     ) -> FloatTensor<Self> {
         let constants = NormalisedConstants {
             streams,
+            mixtures,
             iterations,
             input_offset,
             depth_factor,
             sinkhorn_epsilon,
             numerator,
             offset,
+            root_offset,
             slot,
         };
         tracked_op::<B, C, _, _>(
@@ -623,8 +660,9 @@ impl<B: ConnectionTableBackend, C: CheckpointStrategy> ConnectionTableBackend fo
                 depth_scale,
                 residual_scale,
                 bias,
+                matrices,
             ],
-            |[rows, weights, a_in, a_depth, a_res, bias]| {
+            |[rows, weights, a_in, a_depth, a_res, bias, matrices]| {
                 B::normalised_table(
                     rows,
                     weights,
@@ -632,13 +670,16 @@ impl<B: ConnectionTableBackend, C: CheckpointStrategy> ConnectionTableBackend fo
                     a_depth,
                     a_res,
                     bias,
+                    matrices,
                     streams,
+                    mixtures,
                     iterations,
                     input_offset,
                     depth_factor,
                     sinkhorn_epsilon,
                     numerator,
                     offset,
+                    root_offset,
                     slot,
                 )
             },
@@ -653,18 +694,21 @@ impl<B: ConnectionTableBackend, C: CheckpointStrategy> ConnectionTableBackend fo
         depth_scale: FloatTensor<Self>,
         residual_scale: FloatTensor<Self>,
         bias: FloatTensor<Self>,
+        matrices: FloatTensor<Self>,
         grad: FloatTensor<Self>,
         previous_rows: FloatTensor<Self>,
         with_previous_rows: bool,
         input_grad: FloatTensor<Self>,
         input_views: usize,
         streams: usize,
+        mixtures: usize,
         iterations: usize,
         input_offset: f64,
         depth_factor: f64,
         sinkhorn_epsilon: f64,
         numerator: f64,
         offset: f64,
+        root_offset: f64,
     ) -> (
         FloatTensor<Self>,
         FloatTensor<Self>,
@@ -681,18 +725,21 @@ impl<B: ConnectionTableBackend, C: CheckpointStrategy> ConnectionTableBackend fo
             depth_scale.into_primitive(),
             residual_scale.into_primitive(),
             bias.into_primitive(),
+            matrices.into_primitive(),
             grad.into_primitive(),
             previous_rows.into_primitive(),
             with_previous_rows,
             input_grad.into_primitive(),
             input_views,
             streams,
+            mixtures,
             iterations,
             input_offset,
             depth_factor,
             sinkhorn_epsilon,
             numerator,
             offset,
+            root_offset,
         );
         (
             constant::<B, C>(a),

@@ -137,17 +137,29 @@ pub(crate) mod kernels {
         E::new(comptime!(f32::from_bits(bits)))
     }
 
-    /// `s(n) = a / max(n + b, f)`, the constants as the bits of `f32`s (with `f = 0` the floor
-    /// is left out: `a / 0` would fold into an infinite constant that WGSL cannot write).
+    /// `ρ = √(n² + c)` of a row from its sum of squares `n²` (`c` as the bits of an `f32`; with
+    /// `c = 0`, the row's norm): what [`row_scale`] and [`row_slope`] take.
+    #[cube]
+    pub(crate) fn row_root<E: Float>(squares: E, #[comptime] root_offset_bits: u32) -> E {
+        let mut root = squares.sqrt();
+        if comptime!(root_offset_bits != 0) {
+            root = (squares + constant::<E>(root_offset_bits)).sqrt();
+        }
+        root
+    }
+
+    /// `s(n) = a / max(ρ + b, f)` with `ρ = √(n² + c)` ([`row_root`]), the constants as the bits
+    /// of `f32`s (with `f = 0` the floor is left out: `a / 0` would fold into an infinite
+    /// constant that WGSL cannot write).
     #[cube]
     pub(crate) fn row_scale<E: Float>(
-        norm: E,
+        root: E,
         #[comptime] numerator_bits: u32,
         #[comptime] offset_bits: u32,
         #[comptime] floor_bits: u32,
     ) -> E {
         let numerator = constant::<E>(numerator_bits);
-        let denominator = norm + constant::<E>(offset_bits);
+        let denominator = root + constant::<E>(offset_bits);
         let mut scale = numerator / denominator;
         if comptime!(floor_bits != 0) {
             let floor = constant::<E>(floor_bits);
@@ -158,22 +170,23 @@ pub(crate) mod kernels {
         scale
     }
 
-    /// `s'(n) / n`: 0 where `s` is flat and for a zero row (whose term vanishes).
+    /// `s'(n) / n = −s / (ρ + b) / ρ`: 0 where `s` is flat and for a zero root (a zero row
+    /// with `c = 0`, whose term vanishes).
     #[cube]
     pub(crate) fn row_slope<E: Float>(
-        norm: E,
+        root: E,
         scale: E,
         #[comptime] offset_bits: u32,
         #[comptime] floor_bits: u32,
     ) -> E {
-        let denominator = norm + constant::<E>(offset_bits);
+        let denominator = root + constant::<E>(offset_bits);
         let mut slope = E::new(0.0);
-        let mut steep = norm > E::new(0.0);
+        let mut steep = root > E::new(0.0);
         if comptime!(floor_bits != 0) {
             steep = steep && denominator > constant::<E>(floor_bits);
         }
         if steep {
-            slope = E::new(0.0) - scale / denominator / norm;
+            slope = E::new(0.0) - scale / denominator / root;
         }
         slope
     }

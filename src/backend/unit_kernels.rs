@@ -70,7 +70,7 @@ pub(crate) fn supports(units: &Tensor<3>) -> bool {
 )]
 pub(crate) trait UnitKernelsBackend: Backend {
     /// `P = s(‖x_r‖) x_r W` for `rows [R, w]`, `weights [w, C]`; `[R, C]`.
-    #[fusion(meta = |rows, weights, _, _, _| TensorSpec::new(
+    #[fusion(meta = |rows, weights, _, _, _, _| TensorSpec::new(
         Shape::new([rows.shape[0], weights.shape[1]]),
         rows.dtype,
     ))]
@@ -80,10 +80,11 @@ pub(crate) trait UnitKernelsBackend: Backend {
         numerator: f64,
         offset: f64,
         floor: f64,
+        root_offset: f64,
     ) -> FloatTensor<Self>;
 
     /// The gradients of `rows` and `weights`, given the output `projection` and its gradient.
-    #[fusion(meta = |rows, weights, _, _, _, _, _| (rows.clone(), weights.clone()))]
+    #[fusion(meta = |rows, weights, _, _, _, _, _, _| (rows.clone(), weights.clone()))]
     #[allow(clippy::too_many_arguments)]
     fn unit_projection_backward(
         rows: FloatTensor<Self>,
@@ -93,6 +94,7 @@ pub(crate) trait UnitKernelsBackend: Backend {
         numerator: f64,
         offset: f64,
         floor: f64,
+        root_offset: f64,
     ) -> (FloatTensor<Self>, FloatTensor<Self>);
 
     /// `out = W S`, `W` the rows `first..first + rows` of `weights [T | 1, R', U]`, `units
@@ -211,6 +213,7 @@ pub(crate) fn projection(rows: Tensor<2>, weights: Tensor<2>, scale: RowScale) -
         scale.numerator,
         scale.offset,
         scale.floor,
+        scale.root_offset,
     ))
 }
 
@@ -283,6 +286,7 @@ impl<B: UnitKernelsBackend> Backward<B, 2> for Projection {
             scale.numerator,
             scale.offset,
             scale.floor,
+            scale.root_offset,
         );
         register_tracked!(grads, ops.parents, [grad_rows, grad_weights]);
     }
@@ -465,17 +469,20 @@ impl<B: UnitKernelsBackend, C: CheckpointStrategy> UnitKernelsBackend for Autodi
         numerator: f64,
         offset: f64,
         floor: f64,
+        root_offset: f64,
     ) -> FloatTensor<Self> {
         let scale = RowScale {
             numerator,
             offset,
             floor,
-            root_offset: 0.0,
+            root_offset,
         };
         tracked_op::<B, C, _, _>(
             Projection,
             [rows, weights],
-            |[rows, weights]| B::unit_projection(rows, weights, numerator, offset, floor),
+            |[rows, weights]| {
+                B::unit_projection(rows, weights, numerator, offset, floor, root_offset)
+            },
             |nodes, output| (nodes, output.clone(), scale),
         )
     }
@@ -488,6 +495,7 @@ impl<B: UnitKernelsBackend, C: CheckpointStrategy> UnitKernelsBackend for Autodi
         numerator: f64,
         offset: f64,
         floor: f64,
+        root_offset: f64,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
         // First-order only: the gradients are constants to the graph.
         let (grad_rows, grad_weights) = B::unit_projection_backward(
@@ -498,6 +506,7 @@ impl<B: UnitKernelsBackend, C: CheckpointStrategy> UnitKernelsBackend for Autodi
             numerator,
             offset,
             floor,
+            root_offset,
         );
         (constant::<B, C>(grad_rows), constant::<B, C>(grad_weights))
     }
@@ -641,9 +650,9 @@ mod tests {
     }
 
     /// The projection kernels against the composed tensor ops on wgpu, forward and both
-    /// gradients: both row scales (HC's floor, mHC's offset), widths below and above the cube's
-    /// units, more columns than units, rows of norms from 1e-2 to 1e2, transposed rows, a zero
-    /// row.
+    /// gradients: the three row scales (HC's floor, mHC's offset, the RMS scale's `ε` inside
+    /// the root), widths below and above the cube's units, more columns than units, rows of
+    /// norms from 1e-2 to 1e2, transposed rows, a zero row.
     #[test]
     fn projection_kernels_match_the_composed_operations() {
         let device = wgpu();
@@ -659,12 +668,16 @@ mod tests {
             floor: 0.0,
             root_offset: 0.0,
         };
+        // A large ε (0.3) so that the root's offset matters at these norms.
+        let rms = |width: usize| RowScale::rms(width, 0.3);
         for (count, width, columns, transposed, scale) in [
             (70, 24, 6, false, hc(24)),
             (9, 300, 6, false, hc(300)),
             (33, 1024, 24, false, mhc(1024)),
             (5, 8, 1, true, hc(8)),
             (40, 10, 80, true, mhc(10)),
+            (33, 1024, 24, false, rms(1024)),
+            (12, 10, 3, true, rms(10)),
         ] {
             let magnitudes: Vec<f32> = (0..count)
                 .map(|r| {

@@ -19,7 +19,7 @@ pub(crate) struct RowScale {
     /// `f`.
     pub floor: f64,
     /// `c` (an RMS norm's `ε` inside the root: `1/sqrt(n²/N + ε)` is `a = √N, c = Nε`). The
-    /// CubeCL kernels take `c = 0` only; other scales compose there.
+    /// gated connection table's kernels (HC's row scale) take `c = 0` only.
     pub root_offset: f64,
 }
 
@@ -200,9 +200,7 @@ impl LayerOps {
             );
         }
         #[cfg(feature = "cube-kernels")]
-        if let UnitOps::Kernels = self.ops
-            && scale.root_offset == 0.0
-        {
+        if let UnitOps::Kernels = self.ops {
             return super::unit_kernels::projection(rows, weights, scale);
         }
         composed_normed_projection(rows, weights, scale)

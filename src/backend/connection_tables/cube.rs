@@ -21,6 +21,17 @@ const MOST_THREADS: usize = 64;
 /// Units per cube of the kernels that sum over the tokens.
 const SUM_THREADS: usize = 256;
 
+/// The normalised form's logits per token: `2n + n²` (Sinkhorn-Knopp) or `2n + m` (a mixture
+/// of `m` matrices).
+fn normalised_columns(streams: usize, mixtures: usize) -> usize {
+    2 * streams
+        + if mixtures > 0 {
+            mixtures
+        } else {
+            streams * streams
+        }
+}
+
 /// One cube per item, `threads` units each, for the summing kernels.
 fn cubes(count: usize, threads: usize) -> (CubeCount, CubeDim) {
     (
@@ -205,18 +216,21 @@ impl ConnectionTableBackend for CubeBackend {
         depth_scale: FloatTensor<Self>,
         residual_scale: FloatTensor<Self>,
         bias: FloatTensor<Self>,
+        matrices: FloatTensor<Self>,
         streams: usize,
+        mixtures: usize,
         iterations: usize,
         input_offset: f64,
         depth_factor: f64,
         sinkhorn_epsilon: f64,
         numerator: f64,
         offset: f64,
+        root_offset: f64,
         _slot: u64,
     ) -> FloatTensor<Self> {
         let rows = into_contiguous(rows);
         let tokens = rows.meta.shape()[0];
-        let columns = 2 * streams + streams * streams;
+        let columns = normalised_columns(streams, mixtures);
         let table = empty(&rows, Shape::new([tokens, streams + 2, streams]));
         let threads = threads_for(&rows, columns + 1, MOST_THREADS);
         let (launch_cubes, dim) = per_item(&rows, tokens, threads);
@@ -230,8 +244,10 @@ impl ConnectionTableBackend for CubeBackend {
             depth_scale.into_tensor_arg(),
             residual_scale.into_tensor_arg(),
             into_contiguous(bias).into_tensor_arg(),
+            into_contiguous(matrices).into_tensor_arg(),
             table.clone().into_tensor_arg(),
             streams,
+            mixtures,
             iterations,
             threads,
             kernel_constant(input_offset),
@@ -239,6 +255,7 @@ impl ConnectionTableBackend for CubeBackend {
             kernel_constant(sinkhorn_epsilon),
             kernel_constant(numerator),
             kernel_constant(offset),
+            kernel_constant(root_offset),
             dtype_to_storage_type(rows.dtype),
         );
         table
@@ -251,18 +268,21 @@ impl ConnectionTableBackend for CubeBackend {
         depth_scale: FloatTensor<Self>,
         residual_scale: FloatTensor<Self>,
         bias: FloatTensor<Self>,
+        matrices: FloatTensor<Self>,
         grad: FloatTensor<Self>,
         previous_rows: FloatTensor<Self>,
         with_previous_rows: bool,
         input_grad: FloatTensor<Self>,
         input_views: usize,
         streams: usize,
+        mixtures: usize,
         iterations: usize,
         input_offset: f64,
         depth_factor: f64,
         sinkhorn_epsilon: f64,
         numerator: f64,
         offset: f64,
+        root_offset: f64,
     ) -> (
         FloatTensor<Self>,
         FloatTensor<Self>,
@@ -273,7 +293,7 @@ impl ConnectionTableBackend for CubeBackend {
     ) {
         let rows = into_contiguous(rows);
         let [tokens, width] = rows.meta.shape().dims::<2>();
-        let columns = 2 * streams + streams * streams;
+        let columns = normalised_columns(streams, mixtures);
         let grad_rows = empty(&rows, Shape::new([tokens, width]));
         let scaled_grad = empty(&rows, Shape::new([tokens, columns]));
         let partials = empty(&rows, Shape::new([tokens, columns + 3]));
@@ -289,6 +309,7 @@ impl ConnectionTableBackend for CubeBackend {
             depth_scale.into_tensor_arg(),
             residual_scale.into_tensor_arg(),
             into_contiguous(bias).into_tensor_arg(),
+            into_contiguous(matrices).into_tensor_arg(),
             into_contiguous(grad).into_tensor_arg(),
             into_contiguous(previous_rows).into_tensor_arg(),
             into_contiguous(input_grad).into_tensor_arg(),
@@ -296,6 +317,7 @@ impl ConnectionTableBackend for CubeBackend {
             scaled_grad.clone().into_tensor_arg(),
             partials.clone().into_tensor_arg(),
             streams,
+            mixtures,
             iterations,
             threads,
             with_previous_rows,
@@ -305,6 +327,7 @@ impl ConnectionTableBackend for CubeBackend {
             kernel_constant(sinkhorn_epsilon),
             kernel_constant(numerator),
             kernel_constant(offset),
+            kernel_constant(root_offset),
             dtype_to_storage_type(rows.dtype),
         );
         let grad_weights = weights_product(rows.clone(), scaled_grad);
@@ -322,7 +345,7 @@ impl ConnectionTableBackend for CubeBackend {
             grad_depth_scale.clone().into_tensor_arg(),
             grad_residual_scale.clone().into_tensor_arg(),
             grad_bias.clone().into_tensor_arg(),
-            streams,
+            columns,
             SUM_THREADS,
             dtype_to_storage_type(rows.dtype),
         );
@@ -341,7 +364,7 @@ mod kernels {
     use cubecl::prelude::*;
 
     use crate::backend::cube_launch::kernels::{
-        constant, row_projection, row_scale, row_slope, sum_over_cube,
+        constant, row_projection, row_root, row_scale, row_slope, sum_over_cube,
     };
     use crate::backend::sinkhorn::cube::kernels::{sinkhorn_backward, sinkhorn_forward};
 
@@ -753,7 +776,7 @@ mod kernels {
         }
     }
 
-    /// `z = α_g · s · xΦ + c` from the summed projection in `shared`.
+    /// `z = α_g · s · xΦ + c` (`columns` entries) from the summed projection in `shared`.
     #[cube]
     #[allow(clippy::too_many_arguments)]
     fn logits<E: Float>(
@@ -764,8 +787,8 @@ mod kernels {
         residual_scale: E,
         bias: &Tensor<E>,
         #[comptime] n: usize,
+        #[comptime] columns: usize,
     ) -> Array<E> {
-        let columns = comptime!(2 * n + n * n);
         let mut z = Array::<E>::new(columns);
         for c in 0..columns {
             let mut factor = residual_scale;
@@ -779,6 +802,32 @@ mod kernels {
         z
     }
 
+    /// `w = softmax(z[2n : 2n + m])` into `weights` (`m` entries).
+    #[cube]
+    fn mixture_weights<E: Float>(
+        z: &Array<E>,
+        weights: &mut Array<E>,
+        #[comptime] n: usize,
+        #[comptime] m: usize,
+    ) {
+        let first = comptime!(2 * n);
+        let mut largest = z[first];
+        for p in 1..m {
+            if z[first + p] > largest {
+                largest = z[first + p];
+            }
+        }
+        let mut total = E::new(0.0);
+        for p in 0..m {
+            let e = (z[first + p] - largest).exp();
+            weights[p] = e;
+            total += e;
+        }
+        for p in 0..m {
+            weights[p] = weights[p] / total;
+        }
+    }
+
     #[cube(launch)]
     #[allow(clippy::too_many_arguments)]
     pub(super) fn normalised_forward_kernel<E: Float>(
@@ -788,8 +837,10 @@ mod kernels {
         depth_scale: &Tensor<E>,
         residual_scale: &Tensor<E>,
         bias: &Tensor<E>,
+        matrices: &Tensor<E>,
         table: &mut Tensor<E>,
         #[comptime] n: usize,
+        #[comptime] mixtures: usize,
         #[comptime] iterations: usize,
         #[comptime] threads: usize,
         #[comptime] input_offset_bits: u32,
@@ -797,17 +848,19 @@ mod kernels {
         #[comptime] epsilon_bits: u32,
         #[comptime] numerator_bits: u32,
         #[comptime] offset_bits: u32,
+        #[comptime] root_offset_bits: u32,
         #[define(E)] _dtype: ElemType,
     ) {
         let row = CUBE_POS;
         if row >= rows.shape(0) {
             terminate!();
         }
-        let columns = comptime!(2 * n + n * n);
-        let mut shared = Shared::<[E]>::new_slice(comptime!(threads * (2 * n + n * n + 1)));
+        let columns = comptime!(2 * n + if mixtures > 0 { mixtures } else { n * n });
+        let mut shared = Shared::<[E]>::new_slice(comptime!(threads * (columns + 1)));
         row_projection::<E>(rows, weights, row, &mut shared, columns, threads);
         if UNIT_POS == 0 {
-            let scale = row_scale::<E>(shared[columns].sqrt(), numerator_bits, offset_bits, 0u32);
+            let root = row_root::<E>(shared[columns], root_offset_bits);
+            let scale = row_scale::<E>(root, numerator_bits, offset_bits, 0u32);
             let z = logits::<E>(
                 &shared,
                 scale,
@@ -816,6 +869,7 @@ mod kernels {
                 residual_scale[0],
                 bias,
                 n,
+                columns,
             );
             let base = row * comptime!((n + 2) * n);
             for k in 0..n {
@@ -823,18 +877,30 @@ mod kernels {
                 table[base + comptime!((n + 1) * n) + k] =
                     constant::<E>(depth_factor_bits) * sigmoid::<E>(z[n + k]);
             }
-            let mut residual = Array::<E>::new(comptime!(n * n));
-            for k in 0..comptime!(n * n) {
-                residual[k] = z[comptime!(2 * n) + k];
-            }
             let mut matrix = Array::<E>::new(comptime!(n * n));
-            sinkhorn_forward::<E>(
-                &residual,
-                &mut matrix,
-                n,
-                iterations,
-                constant::<E>(epsilon_bits),
-            );
+            if comptime!(mixtures > 0) {
+                let mut mix = Array::<E>::new(comptime!(mixtures.max(1)));
+                mixture_weights::<E>(&z, &mut mix, n, mixtures);
+                for e in 0..comptime!(n * n) {
+                    let mut total = E::new(0.0);
+                    for p in 0..mixtures {
+                        total += mix[p] * matrices[p * comptime!(n * n) + e];
+                    }
+                    matrix[e] = total;
+                }
+            } else {
+                let mut residual = Array::<E>::new(comptime!(n * n));
+                for k in 0..comptime!(n * n) {
+                    residual[k] = z[comptime!(2 * n) + k];
+                }
+                sinkhorn_forward::<E>(
+                    &residual,
+                    &mut matrix,
+                    n,
+                    iterations,
+                    constant::<E>(epsilon_bits),
+                );
+            }
             // Row 1 + i holds column i of H_res (the weights that make unit i).
             for k in 0..n {
                 for i in 0..n {
@@ -853,6 +919,7 @@ mod kernels {
         depth_scale: &Tensor<E>,
         residual_scale: &Tensor<E>,
         bias: &Tensor<E>,
+        matrices: &Tensor<E>,
         grad: &Tensor<E>,
         previous_rows: &Tensor<E>,
         input_grad: &Tensor<E>,
@@ -860,6 +927,7 @@ mod kernels {
         scaled_grad: &mut Tensor<E>,
         partials: &mut Tensor<E>,
         #[comptime] n: usize,
+        #[comptime] mixtures: usize,
         #[comptime] iterations: usize,
         #[comptime] threads: usize,
         #[comptime] with_previous_rows: bool,
@@ -869,6 +937,7 @@ mod kernels {
         #[comptime] epsilon_bits: u32,
         #[comptime] numerator_bits: u32,
         #[comptime] offset_bits: u32,
+        #[comptime] root_offset_bits: u32,
         #[define(E)] _dtype: ElemType,
     ) {
         let row = CUBE_POS;
@@ -877,23 +946,23 @@ mod kernels {
         }
         let width = rows.shape(1);
         let unit = UNIT_POS as usize;
-        let columns = comptime!(2 * n + n * n);
-        let mut shared = Shared::<[E]>::new_slice(comptime!(threads * (2 * n + n * n + 1)));
+        let columns = comptime!(2 * n + if mixtures > 0 { mixtures } else { n * n });
+        let mut shared = Shared::<[E]>::new_slice(comptime!(threads * (columns + 1)));
         // δ (columns), then s'(n)/n · (xΦ · δ), then H_pre (n), for every unit.
-        let mut steps = Shared::<[E]>::new_slice(comptime!(3 * n + n * n + 1));
+        let mut steps = Shared::<[E]>::new_slice(comptime!(columns + 1 + n));
         row_projection::<E>(rows, weights, row, &mut shared, columns, threads);
         // The block input's part of the table's gradient, ⟨∂u, x_t[k]⟩ (see `with_input`).
         let mut inner = Shared::<[E]>::new_slice(comptime!(threads * n));
         if comptime!(with_input) {
             unit_products::<E>(rows, input_grad, row, width, &mut inner, n, threads);
         }
-        let norm = shared[columns].sqrt();
-        let scale = row_scale::<E>(norm, numerator_bits, offset_bits, 0u32);
+        let root = row_root::<E>(shared[columns], root_offset_bits);
+        let scale = row_scale::<E>(root, numerator_bits, offset_bits, 0u32);
         if unit == 0 {
             let (a_in, a_depth, a_res) = (input_scale[0], depth_scale[0], residual_scale[0]);
-            let z = logits::<E>(&shared, scale, a_in, a_depth, a_res, bias, n);
+            let z = logits::<E>(&shared, scale, a_in, a_depth, a_res, bias, n, columns);
             let base = row * comptime!((n + 2) * n);
-            let out = row * comptime!(2 * n + n * n + 3);
+            let out = row * comptime!(columns + 3);
             let mut dz = Array::<E>::new(columns);
             for k in 0..n {
                 let pre = sigmoid::<E>(z[k]);
@@ -909,25 +978,46 @@ mod kernels {
                     * post
                     * (E::new(1.0) - post);
             }
-            let mut residual = Array::<E>::new(comptime!(n * n));
             let mut upstream = Array::<E>::new(comptime!(n * n));
             for k in 0..n {
                 for i in 0..n {
-                    residual[k * n + i] = z[comptime!(2 * n) + k * n + i];
                     upstream[k * n + i] = grad[base + (1 + i) * n + k];
                 }
             }
-            let mut dres = Array::<E>::new(comptime!(n * n));
-            sinkhorn_backward::<E>(
-                &residual,
-                &upstream,
-                &mut dres,
-                n,
-                iterations,
-                constant::<E>(epsilon_bits),
-            );
-            for k in 0..comptime!(n * n) {
-                dz[comptime!(2 * n) + k] = dres[k];
+            if comptime!(mixtures > 0) {
+                // ∂w_p = ⟨∂H, M_p⟩, then the softmax's ∂z_p = w_p (∂w_p − Σ_q w_q ∂w_q).
+                let mut mix = Array::<E>::new(comptime!(mixtures.max(1)));
+                mixture_weights::<E>(&z, &mut mix, n, mixtures);
+                let mut dmix = Array::<E>::new(comptime!(mixtures.max(1)));
+                let mut mean = E::new(0.0);
+                for p in 0..mixtures {
+                    let mut total = E::new(0.0);
+                    for e in 0..comptime!(n * n) {
+                        total += upstream[e] * matrices[p * comptime!(n * n) + e];
+                    }
+                    dmix[p] = total;
+                    mean += mix[p] * total;
+                }
+                for p in 0..mixtures {
+                    dz[comptime!(2 * n) + p] = mix[p] * (dmix[p] - mean);
+                }
+            } else {
+                let mut residual = Array::<E>::new(comptime!(n * n));
+                for k in 0..comptime!(n * n) {
+                    residual[k] = z[comptime!(2 * n) + k];
+                }
+                let mut dres = Array::<E>::new(comptime!(n * n));
+                sinkhorn_backward::<E>(
+                    &residual,
+                    &upstream,
+                    &mut dres,
+                    n,
+                    iterations,
+                    constant::<E>(epsilon_bits),
+                );
+                for k in 0..comptime!(n * n) {
+                    dz[comptime!(2 * n) + k] = dres[k];
+                }
             }
             let mut sums = Array::<E>::new(3usize);
             for g in 0..3usize {
@@ -954,7 +1044,7 @@ mod kernels {
             for g in 0..3usize {
                 partials[out + columns + g] = sums[g];
             }
-            steps[columns] = along * row_slope::<E>(norm, scale, offset_bits, 0u32);
+            steps[columns] = along * row_slope::<E>(root, scale, offset_bits, 0u32);
         }
         sync_cube();
         let along = steps[columns];
@@ -979,7 +1069,7 @@ mod kernels {
         }
     }
 
-    /// One cube per column of `partials [T, 2n + n² + 3]`: its sum over the tokens, to `∂c`
+    /// One cube per column of `partials [T, columns + 3]`: its sum over the tokens, to `∂c`
     /// or to one of the three scalars.
     #[cube(launch)]
     pub(super) fn normalised_finish_kernel<E: Float>(
@@ -988,12 +1078,11 @@ mod kernels {
         grad_depth_scale: &mut Tensor<E>,
         grad_residual_scale: &mut Tensor<E>,
         grad_bias: &mut Tensor<E>,
-        #[comptime] n: usize,
+        #[comptime] columns: usize,
         #[comptime] threads: usize,
         #[define(E)] _dtype: ElemType,
     ) {
         let k = CUBE_POS;
-        let columns = comptime!(2 * n + n * n);
         let mut shared = Shared::<[E]>::new_slice(threads);
         let part = strided_part::<E>(partials, k, partials.shape(1), partials.shape(0), threads);
         let total = cube_total::<E>(part, &mut shared);

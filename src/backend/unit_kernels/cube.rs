@@ -197,6 +197,7 @@ impl UnitKernelsBackend for CubeBackend {
         numerator: f64,
         offset: f64,
         floor: f64,
+        root_offset: f64,
     ) -> FloatTensor<Self> {
         let rows = into_contiguous(rows);
         let weights = into_contiguous(weights);
@@ -217,6 +218,7 @@ impl UnitKernelsBackend for CubeBackend {
             kernel_constant(numerator),
             kernel_constant(offset),
             kernel_constant(floor),
+            kernel_constant(root_offset),
             dtype_to_storage_type(rows.dtype),
         );
         output
@@ -230,6 +232,7 @@ impl UnitKernelsBackend for CubeBackend {
         numerator: f64,
         offset: f64,
         floor: f64,
+        root_offset: f64,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
         let rows = into_contiguous(rows);
         let weights = into_contiguous(weights);
@@ -256,6 +259,7 @@ impl UnitKernelsBackend for CubeBackend {
             kernel_constant(numerator),
             kernel_constant(offset),
             kernel_constant(floor),
+            kernel_constant(root_offset),
             dtype_to_storage_type(rows.dtype),
         );
         let grad_weights = weights_product(rows, scaled_grad);
@@ -377,7 +381,7 @@ mod kernels {
     use cubecl::prelude::*;
 
     use crate::backend::cube_launch::kernels::{
-        row_projection, row_scale, row_slope, sum_over_cube,
+        row_projection, row_root, row_scale, row_slope, sum_over_cube,
     };
 
     #[cube(launch)]
@@ -390,6 +394,7 @@ mod kernels {
         #[comptime] numerator_bits: u32,
         #[comptime] offset_bits: u32,
         #[comptime] floor_bits: u32,
+        #[comptime] root_offset_bits: u32,
         #[define(E)] _dtype: ElemType,
     ) {
         let row = CUBE_POS;
@@ -399,12 +404,8 @@ mod kernels {
         let unit = UNIT_POS as usize;
         let mut shared = Shared::<[E]>::new_slice(comptime!(threads * (columns + 1)));
         row_projection::<E>(rows, weights, row, &mut shared, columns, threads);
-        let scale = row_scale::<E>(
-            shared[columns].sqrt(),
-            numerator_bits,
-            offset_bits,
-            floor_bits,
-        );
+        let root = row_root::<E>(shared[columns], root_offset_bits);
+        let scale = row_scale::<E>(root, numerator_bits, offset_bits, floor_bits);
         let mut c = unit;
         while c < columns {
             output[row * columns + c] = shared[c] * scale;
@@ -426,6 +427,7 @@ mod kernels {
         #[comptime] numerator_bits: u32,
         #[comptime] offset_bits: u32,
         #[comptime] floor_bits: u32,
+        #[comptime] root_offset_bits: u32,
         #[define(E)] _dtype: ElemType,
     ) {
         let row = CUBE_POS;
@@ -445,9 +447,9 @@ mod kernels {
         shared[unit] = squares;
         sync_cube();
         sum_over_cube::<E>(&mut shared, 1usize);
-        let norm = shared[0].sqrt();
-        let scale = row_scale::<E>(norm, numerator_bits, offset_bits, floor_bits);
-        let slope = row_slope::<E>(norm, scale, offset_bits, floor_bits);
+        let root = row_root::<E>(shared[0], root_offset_bits);
+        let scale = row_scale::<E>(root, numerator_bits, offset_bits, floor_bits);
+        let slope = row_slope::<E>(root, scale, offset_bits, floor_bits);
         // (x W · ∂P) with x W = P / s.
         let mut upstream = Array::<E>::new(columns);
         let mut dot = E::new(0.0);

@@ -824,7 +824,7 @@ mod kernels {
             total += e;
         }
         for p in 0..m {
-            weights[p] = weights[p] / total;
+            weights[p] /= total;
         }
     }
 

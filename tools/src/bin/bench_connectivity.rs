@@ -173,13 +173,19 @@ fn median(mut values: Vec<f64>) -> f64 {
     values[values.len() / 2]
 }
 
+/// How many runs of each work are timed, after how many untimed ones.
+#[derive(Clone, Copy, Debug)]
+struct Rounds {
+    runs: usize,
+    warmup: usize,
+}
+
 /// Every work's runs, timed round-robin (run `r` of every work before run `r + 1` of any), so
 /// that drifts of the machine's speed spread over all of them rather than favouring whichever
 /// ran first; round `r` starts with work `r mod n`, so that each follows every other in turn.
 fn measure_interleaved<T>(
     device: &Device,
-    runs: usize,
-    warmup: usize,
+    Rounds { runs, warmup }: Rounds,
     works: &[&dyn Fn() -> T],
 ) -> Vec<Timing> {
     for work in works {
@@ -269,8 +275,10 @@ pub fn main() -> ExitCode {
 
 fn run(flags: Flags) -> Result<(), String> {
     let device = flags.device.device()?;
-    let runs = flags.runs as usize;
-    let warmup = flags.warmup;
+    let rounds = Rounds {
+        runs: flags.runs as usize,
+        warmup: flags.warmup,
+    };
     let only = flags.only;
     let variants = Variant::selected(&flags.variants)?;
     let mut report = Report {
@@ -286,8 +294,7 @@ fn run(flags: Flags) -> Result<(), String> {
                 shape,
                 &format!("stack{depth}"),
                 &variants,
-                runs,
-                warmup,
+                rounds,
                 &flags.passes,
                 &mut report,
             );
@@ -314,15 +321,14 @@ fn run(flags: Flags) -> Result<(), String> {
             shape,
             "model",
             &variants,
-            runs,
-            warmup,
+            rounds,
             &flags.passes,
             &mut report,
         );
         report.print_ratios(Variant::Residual.name());
     }
     if only == Some(Workload::Profile) {
-        profile(&device.clone().autodiff(), runs, warmup, &mut report);
+        profile(&device.clone().autodiff(), rounds, &mut report);
     }
     if matches!(only, None | Some(Workload::Gconv)) {
         for length in GCONV_LENGTHS {
@@ -336,7 +342,7 @@ fn run(flags: Flags) -> Result<(), String> {
                 .collect();
             let works: Vec<&dyn Fn() -> Tensor<3>> =
                 works.iter().map(|work| work.as_ref()).collect();
-            let timings = measure_interleaved(&device, runs, warmup, &works);
+            let timings = measure_interleaved(&device, rounds, &works);
             for (method, timing) in ConvMethod::ALL.iter().zip(timings) {
                 report.record(format!("gconv{length}"), method.name(), timing);
             }
@@ -353,8 +359,7 @@ fn time_stacks(
     shape: StackShape,
     name: &str,
     variants: &[Variant],
-    runs: usize,
-    warmup: usize,
+    rounds: Rounds,
     passes: &[Pass],
     report: &mut Report,
 ) {
@@ -383,7 +388,7 @@ fn time_stacks(
             .collect();
         let works: Vec<&dyn Fn() -> Box<dyn std::any::Any>> =
             works.iter().map(|work| work.as_ref()).collect();
-        let timings = measure_interleaved(device, runs, warmup, &works);
+        let timings = measure_interleaved(device, rounds, &works);
         for (variant, timing) in variants.iter().zip(timings) {
             report.record(format!("{name}.{mode}"), variant.name(), timing);
         }
@@ -396,7 +401,7 @@ fn time_stacks(
 
 /// The residual train step at depth 12 and each operation class of one block, timed
 /// round-robin; a table of their shares on stderr.
-fn profile(device: &Device, runs: usize, warmup: usize, report: &mut Report) {
+fn profile(device: &Device, rounds: Rounds, report: &mut Report) {
     let depth = DEPTHS[0];
     let model = Model::new(Variant::Residual, depth, device);
     let input = stack_input(device);
@@ -409,7 +414,7 @@ fn profile(device: &Device, runs: usize, warmup: usize, report: &mut Report) {
     }
     let works: Vec<&dyn Fn() -> Box<dyn std::any::Any>> =
         works.iter().map(|work| work.as_ref()).collect();
-    let timings = measure_interleaved(device, runs, warmup, &works);
+    let timings = measure_interleaved(device, rounds, &works);
     let step_ms = timings[0].median_ms();
     report.record(format!("profile{depth}"), "train_step", timings[0].clone());
     eprintln!("residual train step, depth {depth}: {step_ms:.1} ms");

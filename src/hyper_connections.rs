@@ -474,10 +474,10 @@ mod tests {
     #[cfg(feature = "wgpu")]
     #[test]
     fn connection_table_kernels_match_the_composed_connections() {
-        use crate::test_util::{Perturbed, assert_table_kernels_match_composed, gradient_data};
-        let device = crate::device::device("wgpu")
-            .expect("compiled in")
-            .autodiff();
+        use crate::test_util::{
+            Perturbed, assert_table_kernels_match_composed, gradient_data, wgpu_autodiff,
+        };
+        let device = wgpu_autodiff();
         for (streams, fractions, tanh, tokens, width) in [
             (4, 1, true, 37, 24),
             (4, 1, false, 5, 300),
@@ -493,14 +493,10 @@ mod tests {
                 .map(&mut Perturbed(0.5));
             let layer = &hc.layers[0];
             let dynamic = layer.dynamic.as_ref().expect("dynamic by default");
-            let units = Tensor::random(
-                [tokens, streams * fractions, width / fractions],
-                Distribution::Normal(0.0, 1.0),
-                &device,
-            );
             assert_table_kernels_match_composed(
-                &units,
-                |units, ops| hc.mixing(0).expect("one block").mixing(units, ops),
+                &hc,
+                [tokens, streams * fractions, width / fractions],
+                1.0,
                 |grads| {
                     vec![
                         gradient_data(&layer.static_alpha, grads),

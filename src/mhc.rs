@@ -507,10 +507,10 @@ mod tests {
     #[cfg(feature = "wgpu")]
     #[test]
     fn connection_table_kernels_match_the_composed_connections() {
-        use crate::test_util::{Perturbed, assert_table_kernels_match_composed, gradient_data};
-        let device = crate::device::device("wgpu")
-            .expect("compiled in")
-            .autodiff();
+        use crate::test_util::{
+            Perturbed, assert_table_kernels_match_composed, gradient_data, wgpu_autodiff,
+        };
+        let device = wgpu_autodiff();
         for (streams, iterations, tokens, width) in
             [(4, 20, 37, 24), (2, 3, 5, 300), (1, 1, 9, 8), (8, 7, 4, 16)]
         {
@@ -521,14 +521,10 @@ mod tests {
                 .expect("valid config")
                 .map(&mut Perturbed(0.3));
             let layer = &mhc.layers[0];
-            let units = Tensor::random(
-                [tokens, streams, width],
-                Distribution::Normal(0.0, 1.0),
-                &device,
-            );
             assert_table_kernels_match_composed(
-                &units,
-                |units, ops| mhc.mixing(0).expect("one block").mixing(units, ops),
+                &mhc,
+                [tokens, streams, width],
+                1.0,
                 |grads| {
                     vec![
                         gradient_data(&layer.phi, grads),

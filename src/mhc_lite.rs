@@ -416,11 +416,10 @@ mod tests {
     #[cfg(feature = "wgpu")]
     #[test]
     fn connection_table_kernels_match_the_composed_connections() {
-        use crate::test_util::{Perturbed, assert_table_kernels_match_composed, gradient_data};
-        use burn::tensor::Distribution;
-        let device = crate::device::device("wgpu")
-            .expect("compiled in")
-            .autodiff();
+        use crate::test_util::{
+            Perturbed, assert_table_kernels_match_composed, gradient_data, wgpu_autodiff,
+        };
+        let device = wgpu_autodiff();
         for (streams, tokens, width) in [(4, 37, 24), (3, 5, 300), (2, 9, 8)] {
             let lite = MhcLiteConfig::new(width)
                 .with_streams(streams)
@@ -429,14 +428,10 @@ mod tests {
                 .expect("valid config")
                 .map(&mut Perturbed(1.0));
             let layer = &lite.layers[0];
-            let units = Tensor::random(
-                [tokens, streams, width],
-                Distribution::Normal(0.0, 1.0),
-                &device,
-            );
             assert_table_kernels_match_composed(
-                &units,
-                |units, ops| lite.mixing(0).expect("one block").mixing(units, ops),
+                &lite,
+                [tokens, streams, width],
+                1.0,
                 |grads| {
                     vec![
                         gradient_data(&layer.phi, grads),

@@ -338,11 +338,10 @@ mod tests {
     #[cfg(feature = "wgpu")]
     #[test]
     fn connection_table_kernels_match_the_composed_connections() {
-        use crate::test_util::{Perturbed, assert_table_kernels_match_composed, gradient_data};
-        use burn::tensor::Distribution;
-        let device = crate::device::device("wgpu")
-            .expect("compiled in")
-            .autodiff();
+        use crate::test_util::{
+            Perturbed, assert_table_kernels_match_composed, gradient_data, wgpu_autodiff,
+        };
+        let device = wgpu_autodiff();
         for (streams, iterations, tokens, width) in [(4, 20, 37, 24), (2, 5, 6, 300)] {
             let v4 = MhcV4Config::new(width)
                 .with_streams(streams)
@@ -352,15 +351,11 @@ mod tests {
                 .expect("valid config")
                 .map(&mut Perturbed(0.3));
             let layer = &v4.layers[0];
-            // Small units, so that the RMS scale's ε matters next to the rows' mean square.
-            let units = Tensor::random(
-                [tokens, streams, width],
-                Distribution::Normal(0.0, 1e-3),
-                &device,
-            );
+            // Small units (std 1e-3), so that the RMS scale's ε matters next to their mean square.
             assert_table_kernels_match_composed(
-                &units,
-                |units, ops| v4.mixing(0).expect("one block").mixing(units, ops),
+                &v4,
+                [tokens, streams, width],
+                1e-3,
                 |grads| {
                     vec![
                         gradient_data(&layer.weights, grads),

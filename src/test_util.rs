@@ -128,19 +128,38 @@ impl burn::module::ModuleMapper for Perturbed {
     }
 }
 
-/// A layer's connections made through the CubeCL connection-table kernels against the composed
-/// tensor ops, on wgpu: the view rows, residual rows and `β` that `mixing` returns for random
-/// units, and the gradients of the units and of every parameter (`parameters`, read from the
-/// gradients) for the loss `Σ_k ⟨probe_k, part_k⟩`; then the whole layer (block input, a block
-/// `tanh`, next units) with its mixes, values and gradients of a probe of the next units.
+/// The wgpu device under autodiff, for the kernel tests.
 #[cfg(feature = "wgpu")]
-pub fn assert_table_kernels_match_composed(
-    units: &Tensor<3>,
-    mixing: impl Fn(&Tensor<3>, &crate::backend::LayerOps) -> crate::multi_stream::Mixing,
+pub fn wgpu_autodiff() -> Device {
+    crate::device::device("wgpu")
+        .expect("compiled in")
+        .autodiff()
+}
+
+/// The first layer's connections of `connectivity` made through the CubeCL connection-table
+/// kernels against the composed tensor ops, on its (wgpu) device: the view rows, residual rows
+/// and `β` it returns for random units of `shape` (entries `N(0, std²)`), and the gradients of
+/// the units and of every parameter (`parameters`, read from the gradients) for the loss
+/// `Σ_k ⟨probe_k, part_k⟩`; then the whole layer (block input, a block `tanh`, next units)
+/// with its mixes, values and gradients of a probe of the next units.
+#[cfg(feature = "wgpu")]
+pub fn assert_table_kernels_match_composed<M: crate::multi_stream::MultiStream>(
+    connectivity: &M,
+    shape: [usize; 3],
+    std: f64,
     parameters: impl Fn(&burn::tensor::Gradients) -> Vec<TensorData>,
     case: &str,
 ) {
     use crate::backend::{LayerOps, UnitOps};
+    use crate::multi_stream::MixingLayer;
+    let device = connectivity
+        .devices()
+        .into_iter()
+        .next()
+        .expect("a parameter");
+    let units = &Tensor::<3>::random(shape, Distribution::Normal(0.0, std), &device);
+    let layer = connectivity.mixing(0).expect("one block");
+    let mixing = |units: &Tensor<3>, ops: &LayerOps| layer.mixing(units, ops);
     let run = |ops: LayerOps| -> Vec<TensorData> {
         let units = units.clone().detach().require_grad();
         let crate::multi_stream::Mixing {

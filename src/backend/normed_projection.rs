@@ -225,7 +225,8 @@ impl RowKernels for f32 {
 /// The f32 row loops with AVX2 and FMA intrinsics (see [`flex_kernels::avx2`]). Rows go in
 /// blocks of [`BLOCK`], so that each chunk of `Wᵀ` is loaded once per block rather than once
 /// per row: with mHC's `W` (`[nC, n² + 2n]`, 96 kB at n = 4, C = 256) the loads of `Wᵀ` from L2
-/// are what a row-at-a-time loop waits on.
+/// are what a row-at-a-time loop waits on. The backward packs `Wᵀ` in panels of eight entries
+/// and takes the panels outermost (see [`backward_rows`]).
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     use std::arch::x86_64::*;
@@ -286,6 +287,7 @@ mod avx2 {
         }
     }
 
+    /// The backward of one task's rows (the portable [`super::backward_rows`]'s contract).
     #[allow(clippy::too_many_arguments)]
     #[target_feature(enable = "avx2,fma")]
     pub(super) fn backward_rows(
@@ -300,7 +302,6 @@ mod avx2 {
     ) {
         let columns = wt.len() / width;
         let row_count = x.len() / width;
-        let split = width / 8 * 8;
         // Per row: s ∂P (into `scaled`) and the coefficient of x in ∂x.
         let coefficients: Vec<f32> = (0..row_count)
             .map(|r| {
@@ -315,83 +316,106 @@ mod avx2 {
                 (slope * along / s) as f32
             })
             .collect();
-        let mut first = 0;
-        while first + BLOCK <= row_count {
-            input_block::<BLOCK>(x, wt, width, &coefficients, scaled, grad_x, first);
-            first += BLOCK;
-        }
-        for row in first..row_count {
-            input_block::<1>(x, wt, width, &coefficients, scaled, grad_x, row);
-        }
-        // ∂Wᵀ_c += Σ_r (s_r ∂P_rc) x_r: four columns at a time, the rows innermost.
-        let mut c = 0;
-        while c < columns {
-            let block = (columns - c).min(4);
-            for k in (0..split).step_by(8) {
-                let mut sums = [_mm256_setzero_ps(); 4];
-                for r in 0..row_count {
-                    let v = load(x, r * width + k);
-                    for (j, sum) in sums.iter_mut().enumerate().take(block) {
-                        let sg = _mm256_set1_ps(scaled[r * columns + c + j]);
-                        *sum = _mm256_fmadd_ps(sg, v, *sum);
-                    }
-                }
-                for (j, sum) in sums.iter().enumerate().take(block) {
-                    let at = (c + j) * width + k;
-                    store(grad_wt, at, _mm256_add_ps(load(grad_wt, at), *sum));
-                }
-            }
-            for k in split..width {
-                for j in 0..block {
-                    for r in 0..row_count {
-                        grad_wt[(c + j) * width + k] +=
-                            scaled[r * columns + c + j] * x[r * width + k];
-                    }
-                }
-            }
-            c += block;
-        }
-    }
-
-    /// `∂x_r += coefficient_r x_r + Σ_c (s_r ∂P_rc) Wᵀ_c` for rows `first..first + N`.
-    #[target_feature(enable = "avx2,fma")]
-    fn input_block<const N: usize>(
-        x: &[f32],
-        wt: &[f32],
-        width: usize,
-        coefficients: &[f32],
-        scaled: &[f32],
-        grad_x: &mut [f32],
-        first: usize,
-    ) {
-        let columns = wt.len() / width;
+        // `Wᵀ` and `∂Wᵀ` packed in panels of eight entries: panel `q` holds entries
+        // `8q..8q + 8` of every column, so that a pass over the columns at fixed entries reads
+        // contiguous memory (over `Wᵀ` itself it strides by the width, which maps every column
+        // to the same L1 set when a row is 4 kB).
         let split = width / 8 * 8;
-        let sg = |i: usize, c: usize| scaled[(first + i) * columns + c];
-        for k in (0..split).step_by(8) {
-            let mut sums: [__m256; N] = std::array::from_fn(|i| {
-                let start = _mm256_set1_ps(coefficients[first + i]);
-                let at = (first + i) * width + k;
-                _mm256_fmadd_ps(start, load(x, at), load(grad_x, at))
-            });
-            for c in 0..columns {
-                let w = load(wt, c * width + k);
-                for (i, sum) in sums.iter_mut().enumerate() {
-                    *sum = _mm256_fmadd_ps(_mm256_set1_ps(sg(i, c)), w, *sum);
-                }
-            }
-            for (i, sum) in sums.into_iter().enumerate() {
-                store(grad_x, (first + i) * width + k, sum);
+        let panels = split / 8;
+        let mut packed = vec![0.0; panels * columns * 8];
+        for (q, panel) in packed.chunks_exact_mut(columns * 8).enumerate() {
+            for (c, lanes) in panel.chunks_exact_mut(8).enumerate() {
+                lanes.copy_from_slice(&wt[c * width + 8 * q..][..8]);
             }
         }
-        for i in 0..N {
-            let r = first + i;
+        let mut grad_packed = vec![0.0; packed.len()];
+        // Panel by panel, every row of the task: each panel of `Wᵀ` and `∂Wᵀ` (2 kB at mHC's
+        // 32 columns) is read from L2 once per task, not once per block of rows.
+        for (q, (panel, grad_panel)) in packed
+            .chunks_exact(columns * 8)
+            .zip(grad_packed.chunks_exact_mut(columns * 8))
+            .enumerate()
+        {
+            let mut first = 0;
+            while first + BLOCK <= row_count {
+                panel_block::<BLOCK>(
+                    x,
+                    (panel, grad_panel),
+                    (width, 8 * q),
+                    (&coefficients, scaled),
+                    grad_x,
+                    first,
+                );
+                first += BLOCK;
+            }
+            for row in first..row_count {
+                panel_block::<1>(
+                    x,
+                    (panel, grad_panel),
+                    (width, 8 * q),
+                    (&coefficients, scaled),
+                    grad_x,
+                    row,
+                );
+            }
+        }
+        for (q, panel) in grad_packed.chunks_exact(columns * 8).enumerate() {
+            for (c, lanes) in panel.chunks_exact(8).enumerate() {
+                let at = c * width + 8 * q;
+                store(
+                    grad_wt,
+                    at,
+                    _mm256_add_ps(load(grad_wt, at), load(lanes, 0)),
+                );
+            }
+        }
+        // The entries past the panels.
+        for r in 0..row_count {
+            let gains = &scaled[r * columns..][..columns];
             for k in split..width {
-                let mut sum = grad_x[r * width + k] + coefficients[r] * x[r * width + k];
-                for c in 0..columns {
-                    sum += sg(i, c) * wt[c * width + k];
+                let value = x[r * width + k];
+                let mut sum = grad_x[r * width + k] + coefficients[r] * value;
+                for (c, &gain) in gains.iter().enumerate() {
+                    sum += gain * wt[c * width + k];
+                    grad_wt[c * width + k] += gain * value;
                 }
                 grad_x[r * width + k] = sum;
             }
+        }
+    }
+
+    /// Entries `k..k + 8` of `∂x_r += coefficient_r x_r + Σ_c (s_r ∂P_rc) Wᵀ_c` for rows
+    /// `first..first + N`, and those rows' terms of `∂Wᵀ_c += Σ_r (s_r ∂P_rc) x_r` added to the
+    /// panel `grad_panel`: the rows' sums in registers, each column's lanes loaded, updated by
+    /// every row, stored.
+    #[target_feature(enable = "avx2,fma")]
+    fn panel_block<const N: usize>(
+        x: &[f32],
+        (panel, grad_panel): (&[f32], &mut [f32]),
+        (width, k): (usize, usize),
+        (coefficients, scaled): (&[f32], &[f32]),
+        grad_x: &mut [f32],
+        first: usize,
+    ) {
+        let columns = panel.len() / 8;
+        let gains = &scaled[first * columns..(first + N) * columns];
+        let rows: [__m256; N] = std::array::from_fn(|i| load(x, (first + i) * width + k));
+        let mut sums: [__m256; N] = std::array::from_fn(|i| {
+            let start = _mm256_set1_ps(coefficients[first + i]);
+            _mm256_fmadd_ps(start, rows[i], load(grad_x, (first + i) * width + k))
+        });
+        for c in 0..columns {
+            let w = load(panel, 8 * c);
+            let mut grad_w = load(grad_panel, 8 * c);
+            for (i, (sum, row)) in sums.iter_mut().zip(rows).enumerate() {
+                let gain = _mm256_set1_ps(gains[i * columns + c]);
+                *sum = _mm256_fmadd_ps(gain, w, *sum);
+                grad_w = _mm256_fmadd_ps(gain, row, grad_w);
+            }
+            store(grad_panel, 8 * c, grad_w);
+        }
+        for (i, sum) in sums.into_iter().enumerate() {
+            store(grad_x, (first + i) * width + k, sum);
         }
     }
 }
@@ -721,7 +745,16 @@ mod kernel_tests {
                 );
             }
         };
-        for (rows, width, columns) in [(5, 17, 6), (3, 8, 4), (4, 33, 9), (2, 5, 1), (3, 75, 5)] {
+        // (Rows past the backward's blocks of eight, rows wider than its tiles of 256.)
+        for (rows, width, columns) in [
+            (5, 17, 6),
+            (3, 8, 4),
+            (4, 33, 9),
+            (2, 5, 1),
+            (3, 75, 5),
+            (19, 40, 7),
+            (9, 300, 3),
+        ] {
             let x = sequence(rows * width, 3);
             let wt = sequence(columns * width, 4);
             let g = sequence(rows * columns, 5);

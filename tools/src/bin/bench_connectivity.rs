@@ -2,16 +2,20 @@
 //! line on stdout, then the ratios to the plain residual on stderr:
 //!
 //! ```text
-//! {"workload":"stack12.forward","variant":"hacn","ms":12.3,"rounds_ms":[12.1,12.3,12.9],"host_peak_mb":50.1,"device":"flex"}
+//! {"workload":"stack12.forward","variant":"hacn","ms":12.3,"rounds_ms":[12.1,12.3,12.9],"cpu_ms":23.9,"host_peak_mb":50.1,"device":"flex"}
 //! ```
 //!
 //! `ms` is the median over `--runs` timed runs (`rounds_ms`) after `--warmup` untimed ones, the
 //! variants of a workload timed round-robin (run `r` of each before run `r + 1` of any, each
 //! round starting one variant later) so that neither the machine's drifts nor what ran just
-//! before (a variant that leaves the allocator with much freed memory) favour one of them; `host_peak_mb` the largest growth of heap
-//! memory during a run (all tensor memory on CPU backends; host-side bookkeeping only on GPU
-//! backends). The ratios on stderr are of the medians, with the median and quartiles of the
-//! per-round ratios beside them: their spread is the noise of the comparison.
+//! before (a variant that leaves the allocator with much freed memory) favour one of them;
+//! `cpu_ms` the median CPU time of the process's threads during a run (`null` off Unix): on a
+//! CPU backend, `cpu_ms / ms` is how many cores the run kept busy, so a variant whose time
+//! grows more than its CPU time spends the difference in serial work (op dispatch, autodiff's
+//! bookkeeping, small ops on one core); `host_peak_mb` the largest growth of heap memory during
+//! a run (all tensor memory on CPU backends; host-side bookkeeping only on GPU backends). The
+//! ratios on stderr are of the medians, with the median and quartiles of the per-round ratios
+//! beside them (their spread is the noise of the comparison), and the ratio of CPU times.
 //!
 //! ```text
 //! cargo run --release -p burn-connectivity-tools --bin bench_connectivity -- [--device flex] [--runs 5] [--warmup 1] [--only stack|model|gconv|profile] [--model-size full|reduced]
@@ -140,17 +144,40 @@ enum ModelSize {
     Reduced,
 }
 
-/// One timed run of `work` (followed by a device sync): milliseconds and peak heap growth.
-fn run_once<T>(device: &Device, work: &dyn Fn() -> T) -> (f64, usize) {
+/// The CPU time of every thread of this process so far, in milliseconds (`None` where the
+/// platform has no such clock).
+fn process_cpu_ms() -> Option<f64> {
+    #[cfg(unix)]
+    {
+        let mut time = libc::timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        };
+        // SAFETY: `time` is a valid, writable timespec.
+        let status = unsafe { libc::clock_gettime(libc::CLOCK_PROCESS_CPUTIME_ID, &mut time) };
+        (status == 0).then(|| time.tv_sec as f64 * 1e3 + time.tv_nsec as f64 / 1e6)
+    }
+    #[cfg(not(unix))]
+    None
+}
+
+/// One timed run of `work` (followed by a device sync): wall milliseconds, CPU milliseconds
+/// of the whole process (every thread; `NaN` where unknown) and peak heap growth.
+fn run_once<T>(device: &Device, work: &dyn Fn() -> T) -> (f64, f64, usize) {
     let baseline = LIVE.load(Ordering::Relaxed);
     PEAK.store(baseline, Ordering::Relaxed);
+    let cpu_start = process_cpu_ms();
     let start = Instant::now();
     let output = work();
     device.sync().expect("device sync");
     let ms = start.elapsed().as_secs_f64() * 1e3;
+    let cpu_ms = match (cpu_start, process_cpu_ms()) {
+        (Some(start), Some(end)) => end - start,
+        _ => f64::NAN,
+    };
     let peak = PEAK.load(Ordering::Relaxed).saturating_sub(baseline);
     drop(output);
-    (ms, peak)
+    (ms, cpu_ms, peak)
 }
 
 /// The runs of one work.
@@ -158,6 +185,8 @@ fn run_once<T>(device: &Device, work: &dyn Fn() -> T) -> (f64, usize) {
 struct Timing {
     /// Milliseconds of each timed run, in round order.
     rounds_ms: Vec<f64>,
+    /// CPU milliseconds of the process (all threads) during each timed run.
+    rounds_cpu_ms: Vec<f64>,
     /// The largest peak heap growth of a run.
     peak: usize,
 }
@@ -165,6 +194,10 @@ struct Timing {
 impl Timing {
     fn median_ms(&self) -> f64 {
         median(self.rounds_ms.clone())
+    }
+
+    fn median_cpu_ms(&self) -> f64 {
+        median(self.rounds_cpu_ms.clone())
     }
 }
 
@@ -196,6 +229,7 @@ fn measure_interleaved<T>(
     let mut timings = vec![
         Timing {
             rounds_ms: Vec::with_capacity(runs),
+            rounds_cpu_ms: Vec::with_capacity(runs),
             peak: 0,
         };
         works.len()
@@ -203,9 +237,10 @@ fn measure_interleaved<T>(
     for round in 0..runs {
         for k in 0..works.len() {
             let index = (round + k) % works.len();
-            let (ms, peak) = run_once(device, works[index]);
+            let (ms, cpu_ms, peak) = run_once(device, works[index]);
             let timing = &mut timings[index];
             timing.rounds_ms.push(ms);
+            timing.rounds_cpu_ms.push(cpu_ms);
             timing.peak = timing.peak.max(peak);
         }
     }
@@ -219,8 +254,14 @@ struct Report {
 
 impl Report {
     fn record(&mut self, workload: String, variant: &str, timing: Timing) {
+        let cpu_ms = timing.median_cpu_ms();
+        let cpu_ms = if cpu_ms.is_finite() {
+            format!("{cpu_ms:.3}")
+        } else {
+            "null".to_string()
+        };
         println!(
-            "{{\"workload\":\"{workload}\",\"variant\":\"{variant}\",\"ms\":{:.3},\"rounds_ms\":{:?},\"host_peak_mb\":{:.1},\"device\":\"{}\"}}",
+            "{{\"workload\":\"{workload}\",\"variant\":\"{variant}\",\"ms\":{:.3},\"rounds_ms\":{:?},\"cpu_ms\":{cpu_ms},\"host_peak_mb\":{:.1},\"device\":\"{}\"}}",
             timing.median_ms(),
             timing
                 .rounds_ms
@@ -257,11 +298,12 @@ impl Report {
                 // q = 2 is the median (index len / 2, as `median`).
                 let quartile = |q: usize| paired[(q * (paired.len() - 1)).div_ceil(4)];
                 eprintln!(
-                    "{workload:>18} {variant:>9}: time {:.3}x {baseline} (per round: median {:.3}, quartiles {:.3}-{:.3}), host peak {:.3}x",
+                    "{workload:>18} {variant:>9}: time {:.3}x {baseline} (per round: median {:.3}, quartiles {:.3}-{:.3}), CPU time {:.3}x, host peak {:.3}x",
                     timing.median_ms() / base.median_ms(),
                     quartile(2),
                     quartile(1),
                     quartile(3),
+                    timing.median_cpu_ms() / base.median_cpu_ms(),
                     timing.peak as f64 / base.peak.max(1) as f64
                 );
             }

@@ -299,6 +299,22 @@ impl MhcLayer {
         Some(Mixing::table(table, 1, slot))
     }
 
+    /// The gradients of `φ`, the three `α` and `b`, in that order (for tests).
+    #[cfg(all(test, feature = "wgpu"))]
+    pub(crate) fn gradient_data(
+        &self,
+        grads: &burn::tensor::Gradients,
+    ) -> Vec<burn::tensor::TensorData> {
+        use crate::test_util::gradient_data;
+        vec![
+            gradient_data(&self.phi, grads),
+            gradient_data(&self.alpha_pre, grads),
+            gradient_data(&self.alpha_post, grads),
+            gradient_data(&self.alpha_res, grads),
+            gradient_data(&self.bias, grads),
+        ]
+    }
+
     /// `H_pre`, `H_post`, `H_res` for the streams `[tokens, n, C]`.
     pub fn connections(&self, streams: &Tensor<3>, iterations: usize) -> MhcConnections {
         self.connections_with(streams, iterations, &LayerOps::standalone(streams))
@@ -507,9 +523,7 @@ mod tests {
     #[cfg(feature = "wgpu")]
     #[test]
     fn connection_table_kernels_match_the_composed_connections() {
-        use crate::test_util::{
-            Perturbed, assert_table_kernels_match_composed, gradient_data, wgpu_autodiff,
-        };
+        use crate::test_util::{Perturbed, assert_table_kernels_match_composed, wgpu_autodiff};
         let device = wgpu_autodiff();
         for (streams, iterations, tokens, width) in
             [(4, 20, 37, 24), (2, 3, 5, 300), (1, 1, 9, 8), (8, 7, 4, 16)]
@@ -525,15 +539,7 @@ mod tests {
                 &mhc,
                 [tokens, streams, width],
                 1.0,
-                |grads| {
-                    vec![
-                        gradient_data(&layer.phi, grads),
-                        gradient_data(&layer.alpha_pre, grads),
-                        gradient_data(&layer.alpha_post, grads),
-                        gradient_data(&layer.alpha_res, grads),
-                        gradient_data(&layer.bias, grads),
-                    ]
-                },
+                |grads| layer.gradient_data(grads),
                 &format!("n={streams} T={iterations} tokens={tokens} C={width}"),
             );
         }

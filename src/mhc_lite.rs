@@ -416,9 +416,7 @@ mod tests {
     #[cfg(feature = "wgpu")]
     #[test]
     fn connection_table_kernels_match_the_composed_connections() {
-        use crate::test_util::{
-            Perturbed, assert_table_kernels_match_composed, gradient_data, wgpu_autodiff,
-        };
+        use crate::test_util::{Perturbed, assert_table_kernels_match_composed, wgpu_autodiff};
         let device = wgpu_autodiff();
         for (streams, tokens, width) in [(4, 37, 24), (3, 5, 300), (2, 9, 8)] {
             let lite = MhcLiteConfig::new(width)
@@ -432,15 +430,7 @@ mod tests {
                 &lite,
                 [tokens, streams, width],
                 1.0,
-                |grads| {
-                    vec![
-                        gradient_data(&layer.phi, grads),
-                        gradient_data(&layer.alpha_pre, grads),
-                        gradient_data(&layer.alpha_post, grads),
-                        gradient_data(&layer.alpha_res, grads),
-                        gradient_data(&layer.bias, grads),
-                    ]
-                },
+                |grads| layer.gradient_data(grads),
                 &format!("mHC-lite n={streams} tokens={tokens} C={width}"),
             );
         }

@@ -186,11 +186,12 @@ impl MixingLayer for MhcV4Mixing<'_> {
             let layer = self.layer;
             let table = ops.table(|| {
                 let [tokens, n, width] = units.dims();
-                let scale = |group: usize| layer.scale.val().narrow(0, group, 1);
+                // The `[3]` scale packed (read as it is), `Fᵀ` as a view.
+                let scale = layer.scale.val();
                 crate::backend::Normalised {
                     rows: units.clone().reshape([tokens, n * width]),
                     weights: layer.weights.val().transpose(),
-                    scales: [scale(0), scale(1), scale(2)],
+                    scales: [scale.clone(), scale.clone().detach(), scale.detach()],
                     bias: layer.base.val(),
                     streams: n,
                     input_offset: MHC_EPS,
@@ -333,7 +334,8 @@ mod tests {
 
     /// mHC's connection-table kernels with the RMS row scale (`ε` inside the root) and
     /// `Φ = Fᵀ` against V4's composed connections on wgpu, values and every parameter's
-    /// gradient (the three scales through their `narrow`s): two stream counts, widths below and
+    /// gradient (the `[3]` scale read packed, `F` through its transposed view): two stream
+    /// counts, widths below and
     /// above the cube's units.
     #[cfg(feature = "wgpu")]
     #[test]

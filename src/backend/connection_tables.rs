@@ -92,9 +92,11 @@ pub(crate) struct Gated {
 pub(crate) struct Normalised {
     /// `x`, `[T, n·C]`.
     pub rows: Tensor<2>,
-    /// `Φ`, `[n·C, 2n + n²]`.
+    /// `Φ`, `[n·C, 2n + n²]`, any strides (`Fᵀ` of a stored `F` is read without a copy).
     pub weights: Tensor<2>,
-    /// `α_in`, `α_depth`, `α_res`, `[1]` each.
+    /// `α_in`, `α_depth`, `α_res`, `[1]` each; or the three packed in the first, `[3]`, the
+    /// other two then unread (pass them detached: no gradient is registered for them), so that
+    /// a `[3]` parameter is read without three slices.
     pub scales: [Tensor<1>; 3],
     /// `c`, `[2n + n²]`.
     pub bias: Tensor<1>,

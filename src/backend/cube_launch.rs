@@ -191,7 +191,7 @@ pub(crate) mod kernels {
         slope
     }
 
-    /// Row `row` of `rows [R, w]` times `weights [w, columns]`, then its sum of squares, summed
+    /// Row `row` of `rows [R, w]` times `weights [w, columns]` (any strides), then its sum of squares, summed
     /// over the cube (`threads` units striding the row) into the first `columns + 1` entries of
     /// `shared` (`threads · (columns + 1)` entries).
     #[cube]
@@ -210,11 +210,13 @@ pub(crate) mod kernels {
         for c in 0..slots {
             partial[c] = E::new(0.0);
         }
+        // Through the weights' strides: a transposed view (`Fᵀ` of a stored `F`) is read as it is.
+        let (down, across) = (weights.stride(0), weights.stride(1));
         let mut j = unit;
         while j < width {
             let x = rows[row * width + j];
             for c in 0..columns {
-                partial[c] += x * weights[j * columns + c];
+                partial[c] += x * weights[j * down + c * across];
             }
             partial[columns] += x * x;
             j += threads;

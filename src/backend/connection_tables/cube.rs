@@ -32,6 +32,12 @@ fn normalised_columns(streams: usize, mixtures: usize) -> usize {
         }
 }
 
+/// Whether the normalised form's three scales come packed in one `[3]` tensor (the first),
+/// rather than as three `[1]` tensors.
+fn packed(input_scale: &FloatTensor<CubeBackend>) -> bool {
+    input_scale.meta.shape().num_elements() == 3
+}
+
 /// One cube per item, `threads` units each, for the summing kernels.
 fn cubes(count: usize, threads: usize) -> (CubeCount, CubeDim) {
     (
@@ -234,12 +240,13 @@ impl ConnectionTableBackend for CubeBackend {
         let table = empty(&rows, Shape::new([tokens, streams + 2, streams]));
         let threads = threads_for(&rows, columns + 1, MOST_THREADS);
         let (launch_cubes, dim) = per_item(&rows, tokens, threads);
+        let packed_scales = packed(&input_scale);
         normalised_forward_kernel::launch(
             &rows.client,
             launch_cubes,
             dim,
             rows.clone().into_tensor_arg(),
-            into_contiguous(weights).into_tensor_arg(),
+            weights.into_tensor_arg(),
             input_scale.into_tensor_arg(),
             depth_scale.into_tensor_arg(),
             residual_scale.into_tensor_arg(),
@@ -249,6 +256,7 @@ impl ConnectionTableBackend for CubeBackend {
             streams,
             mixtures,
             iterations,
+            packed_scales,
             threads,
             kernel_constant(input_offset),
             kernel_constant(depth_factor),
@@ -299,12 +307,15 @@ impl ConnectionTableBackend for CubeBackend {
         let partials = empty(&rows, Shape::new([tokens, columns + 3]));
         let threads = threads_for(&rows, columns + 1, MOST_THREADS);
         let (launch_cubes, dim) = per_item(&rows, tokens, threads);
+        let packed_scales = packed(&input_scale);
+        let scale_shapes =
+            [&input_scale, &depth_scale, &residual_scale].map(|s| s.meta.shape().clone());
         normalised_backward_kernel::launch(
             &rows.client,
             launch_cubes,
             dim,
             rows.clone().into_tensor_arg(),
-            into_contiguous(weights).into_tensor_arg(),
+            weights.into_tensor_arg(),
             input_scale.into_tensor_arg(),
             depth_scale.into_tensor_arg(),
             residual_scale.into_tensor_arg(),
@@ -319,6 +330,7 @@ impl ConnectionTableBackend for CubeBackend {
             streams,
             mixtures,
             iterations,
+            packed_scales,
             threads,
             with_previous_rows,
             input_views > 0,
@@ -331,9 +343,10 @@ impl ConnectionTableBackend for CubeBackend {
             dtype_to_storage_type(rows.dtype),
         );
         let grad_weights = weights_product(rows.clone(), scaled_grad);
-        let grad_input_scale = empty(&rows, Shape::new([1]));
-        let grad_depth_scale = empty(&rows, Shape::new([1]));
-        let grad_residual_scale = empty(&rows, Shape::new([1]));
+        // Shaped as the scales: `[3]` each where packed (the last two then unwritten: their
+        // inputs are detached, so no gradient of theirs is registered).
+        let [grad_input_scale, grad_depth_scale, grad_residual_scale] =
+            scale_shapes.map(|shape| empty(&rows, shape));
         let grad_bias = empty(&rows, Shape::new([columns]));
         let (launch_cubes, dim) = cubes(columns + 3, SUM_THREADS);
         normalised_finish_kernel::launch(
@@ -346,6 +359,7 @@ impl ConnectionTableBackend for CubeBackend {
             grad_residual_scale.clone().into_tensor_arg(),
             grad_bias.clone().into_tensor_arg(),
             columns,
+            packed_scales,
             SUM_THREADS,
             dtype_to_storage_type(rows.dtype),
         );
@@ -828,6 +842,22 @@ mod kernels {
         }
     }
 
+    /// Scale `index` of the normalised form: entry `index` of `first` where the three are packed
+    /// in one `[3]` tensor, else `own[0]`.
+    #[cube]
+    fn scale_entry<E: Float>(
+        first: &Tensor<E>,
+        own: &Tensor<E>,
+        #[comptime] index: usize,
+        #[comptime] packed: bool,
+    ) -> E {
+        if comptime!(packed) {
+            first[index]
+        } else {
+            own[0]
+        }
+    }
+
     #[cube(launch)]
     #[allow(clippy::too_many_arguments)]
     pub(super) fn normalised_forward_kernel<E: Float>(
@@ -842,6 +872,7 @@ mod kernels {
         #[comptime] n: usize,
         #[comptime] mixtures: usize,
         #[comptime] iterations: usize,
+        #[comptime] packed_scales: bool,
         #[comptime] threads: usize,
         #[comptime] input_offset_bits: u32,
         #[comptime] depth_factor_bits: u32,
@@ -865,8 +896,8 @@ mod kernels {
                 &shared,
                 scale,
                 input_scale[0],
-                depth_scale[0],
-                residual_scale[0],
+                scale_entry::<E>(input_scale, depth_scale, 1usize, packed_scales),
+                scale_entry::<E>(input_scale, residual_scale, 2usize, packed_scales),
                 bias,
                 n,
                 columns,
@@ -929,6 +960,7 @@ mod kernels {
         #[comptime] n: usize,
         #[comptime] mixtures: usize,
         #[comptime] iterations: usize,
+        #[comptime] packed_scales: bool,
         #[comptime] threads: usize,
         #[comptime] with_previous_rows: bool,
         #[comptime] with_input: bool,
@@ -959,7 +991,9 @@ mod kernels {
         let root = row_root::<E>(shared[columns], root_offset_bits);
         let scale = row_scale::<E>(root, numerator_bits, offset_bits, 0u32);
         if unit == 0 {
-            let (a_in, a_depth, a_res) = (input_scale[0], depth_scale[0], residual_scale[0]);
+            let a_in = input_scale[0];
+            let a_depth = scale_entry::<E>(input_scale, depth_scale, 1usize, packed_scales);
+            let a_res = scale_entry::<E>(input_scale, residual_scale, 2usize, packed_scales);
             let z = logits::<E>(&shared, scale, a_in, a_depth, a_res, bias, n, columns);
             let base = row * comptime!((n + 2) * n);
             let out = row * comptime!(columns + 3);
@@ -1048,11 +1082,12 @@ mod kernels {
         }
         sync_cube();
         let along = steps[columns];
+        let (down, across) = (weights.stride(0), weights.stride(1));
         let mut j = unit;
         while j < width {
             let mut total = E::new(0.0);
             for c in 0..columns {
-                total += weights[j * columns + c] * steps[c];
+                total += weights[j * down + c * across] * steps[c];
             }
             let at = row * width + j;
             let mut value = scale * total + along * rows[at];
@@ -1070,7 +1105,7 @@ mod kernels {
     }
 
     /// One cube per column of `partials [T, columns + 3]`: its sum over the tokens, to `∂c`
-    /// or to one of the three scalars.
+    /// or to one of the three scalars (all three into the first where they are packed).
     #[cube(launch)]
     pub(super) fn normalised_finish_kernel<E: Float>(
         partials: &Tensor<E>,
@@ -1079,6 +1114,7 @@ mod kernels {
         grad_residual_scale: &mut Tensor<E>,
         grad_bias: &mut Tensor<E>,
         #[comptime] columns: usize,
+        #[comptime] packed_scales: bool,
         #[comptime] threads: usize,
         #[define(E)] _dtype: ElemType,
     ) {
@@ -1089,6 +1125,8 @@ mod kernels {
         if UNIT_POS == 0 {
             if k < columns {
                 grad_bias[k] = total;
+            } else if comptime!(packed_scales) {
+                grad_input_scale[k - columns] = total;
             } else if k == columns {
                 grad_input_scale[0] = total;
             } else if k == columns + 1 {

@@ -28,6 +28,7 @@
 use burn::prelude::*;
 
 /// The most states one fused mixture takes (its parents, with `W`, fill an array of 64).
+#[cfg(feature = "flex")]
 pub(crate) const MAX_STATES: usize = 63;
 
 /// `Σ_k weights[..., k] states[k]` for weights `[..., K]` and `K` states `[..., d]` of one
@@ -41,15 +42,17 @@ pub(crate) fn token_mix<const D: usize>(weights: Tensor<D>, states: Vec<Tensor<D
         "token mix: one weight per state"
     );
     #[cfg(feature = "flex")]
-    let shape = states[0].dims();
-    let same_shapes = states.iter().all(|state| state.dims() == shape)
-        && weights.dims()[..D - 1] == shape[..D - 1];
-    if count <= MAX_STATES
-        && same_shapes
-        && super::has_fused_flex_ops(&states[0])
-        && weights.dtype() == states[0].dtype()
     {
-        return flex::token_mix(weights, states);
+        let shape = states[0].dims();
+        let same_shapes = states.iter().all(|state| state.dims() == shape)
+            && weights.dims()[..D - 1] == shape[..D - 1];
+        if count <= MAX_STATES
+            && same_shapes
+            && super::has_fused_flex_ops(&states[0])
+            && weights.dtype() == states[0].dtype()
+        {
+            return flex::token_mix(weights, states);
+        }
     }
     composed(weights, states)
 }

@@ -335,8 +335,7 @@ mod tests {
     /// mHC's connection-table kernels with the RMS row scale (`ε` inside the root) and
     /// `Φ = Fᵀ` against V4's composed connections on wgpu, values and every parameter's
     /// gradient (the `[3]` scale read packed, `F` through its transposed view): two stream
-    /// counts, widths below and
-    /// above the cube's units.
+    /// counts, widths below and above the cube's units.
     #[cfg(feature = "wgpu")]
     #[test]
     fn connection_table_kernels_match_the_composed_connections() {

@@ -191,9 +191,9 @@ pub(crate) mod kernels {
         slope
     }
 
-    /// Row `row` of `rows [R, w]` times `weights [w, columns]` (any strides), then its sum of squares, summed
-    /// over the cube (`threads` units striding the row) into the first `columns + 1` entries of
-    /// `shared` (`threads · (columns + 1)` entries).
+    /// Row `row` of `rows [R, w]` times `weights [w, columns]` (any strides), then its sum of
+    /// squares, summed over the cube (`threads` units striding the row) into the first
+    /// `columns + 1` entries of `shared` (`threads · (columns + 1)` entries).
     #[cube]
     pub(crate) fn row_projection<E: Float>(
         rows: &Tensor<E>,

@@ -745,7 +745,7 @@ mod kernel_tests {
                 );
             }
         };
-        // (Rows past the backward's blocks of eight, rows wider than its tiles of 256.)
+        // (Rows past the blocks of four, widths of several panels with entries past the last.)
         for (rows, width, columns) in [
             (5, 17, 6),
             (3, 8, 4),

@@ -39,7 +39,7 @@ pub(crate) mod gelu;
 mod gradient_slots;
 #[cfg(any(feature = "flex", feature = "cube-kernels"))]
 mod history_mix;
-#[cfg(any(feature = "flex", feature = "tch"))]
+#[cfg(any(feature = "flex", feature = "tch", feature = "cube-kernels"))]
 mod layer_norm;
 mod masked_softmax;
 #[cfg(any(feature = "flex", feature = "cube-kernels"))]
@@ -210,14 +210,14 @@ pub(crate) fn is_libtorch(device: &Device) -> bool {
     }
 }
 
-/// `norm.forward(input)`; on Flex and LibTorch under autodiff as one op forward and one backward
-/// (`backend/layer_norm.rs`), where Burn would differentiate ~9 composed ops.
+/// `norm.forward(input)`; on Flex, LibTorch and CubeCL under autodiff as one op forward and one
+/// backward (`backend/layer_norm.rs`), where Burn would differentiate ~9 composed ops.
 pub(crate) fn layer_norm<const D: usize>(norm: &LayerNorm, input: Tensor<D>) -> Tensor<D> {
-    #[cfg(any(feature = "flex", feature = "tch"))]
+    #[cfg(any(feature = "flex", feature = "tch", feature = "cube-kernels"))]
     {
         layer_norm::layer_norm(norm, input)
     }
-    #[cfg(not(any(feature = "flex", feature = "tch")))]
+    #[cfg(not(any(feature = "flex", feature = "tch", feature = "cube-kernels")))]
     {
         norm.forward(input)
     }

@@ -1,4 +1,4 @@
-//! LayerNorm under autodiff as one op forward and one backward, on Flex and on LibTorch.
+//! LayerNorm under autodiff as one op forward and one backward, on Flex, LibTorch and CubeCL.
 //!
 //! ```text
 //! y = (x − μ) r γ + β,    μ = mean(x),  r = 1/√(var(x) + ε)   (over the last axis)
@@ -15,6 +15,11 @@
 //! - Flex ([`flex`]): Flex's own fused forward, and a backward that recomputes `μ`, `r`, `x̂` row
 //!   by row and writes `∂x` in one pass, summing `∂γ`, `∂β` on the way.
 //! - LibTorch ([`libtorch`]): PyTorch's LayerNorm forward and backward.
+//! - CubeCL ([`cube`], f32): Burn's composed forward, which the fusion engine merges with the
+//!   ops around it (a kernel of its own would stop the elementwise ops before it from joining
+//!   the norm's reductions); backward one kernel over the rows and Burn's reduction of its
+//!   partial sums of `∂γ`, `∂β`. Composed, the backward launched about 20 full-size kernels per
+//!   norm (CubeCL's backward passes do not fuse).
 
 // burn-tch (named in the op's dispatch) is deprecated upstream, to be removed in a later Burn.
 #![cfg_attr(feature = "tch", allow(deprecated))]
@@ -31,17 +36,30 @@ use burn::nn::LayerNorm;
 use burn::tensor::{DType, Tensor};
 
 use super::autodiff::constant;
-use super::{is_flex, is_libtorch};
+use super::{is_cube, is_flex, is_libtorch};
 
+#[cfg(feature = "cube-kernels")]
+mod cube;
 #[cfg(feature = "flex")]
 mod flex;
 #[cfg(feature = "tch")]
 mod libtorch;
 
 /// LayerNorm as one op forward and one backward (see the [module docs](self)).
-#[backend_extension(Flex: cfg(feature = "flex"), LibTorch: cfg(feature = "tch"), Autodiff)]
+#[backend_extension(
+    Cube: cfg(feature = "cube-kernels"),
+    Fusion: cfg(feature = "cube-kernels"),
+    Flex: cfg(feature = "flex"),
+    LibTorch: cfg(feature = "tch"),
+    Autodiff
+)]
 pub(crate) trait LayerNormBackend: Backend {
-    /// `(x − μ) r γ + β` over the last axis.
+    /// `(x − μ) r γ + β` over the last axis. Under autodiff the forward is the inner backend's
+    /// own `ModuleOps::layer_norm` (Flex's and LibTorch's kernels; on CubeCL Burn's composed ops,
+    /// which the fusion engine fuses with the ops around them), and the backward is
+    /// [`fused_layer_norm_backward`](Self::fused_layer_norm_backward); the backends' own
+    /// `fused_layer_norm` is that same `layer_norm`.
+    #[fusion(dtype = x, shape = x)]
     fn fused_layer_norm(
         x: FloatTensor<Self>,
         gamma: FloatTensor<Self>,
@@ -50,6 +68,7 @@ pub(crate) trait LayerNormBackend: Backend {
     ) -> FloatTensor<Self>;
 
     /// `(∂x, ∂γ, ∂β)` for the output gradient `grad`.
+    #[fusion(meta = |x, gamma, beta, _, _| (x.clone(), gamma.clone(), beta.clone()))]
     fn fused_layer_norm_backward(
         x: FloatTensor<Self>,
         gamma: FloatTensor<Self>,
@@ -84,19 +103,26 @@ fn epsilon(norm: &LayerNorm) -> Option<f64> {
     after[..end].parse().ok()
 }
 
-/// `γ`, `β` and `ε` of `norm` where [`layer_norm`] runs the fused op: Flex or LibTorch under autodiff,
-/// a bias, input and parameters of one float type, f32 or f64, of matching width.
+/// `γ`, `β` and `ε` of `norm` where [`layer_norm`] runs the fused op: Flex, LibTorch or CubeCL
+/// under autodiff, a bias, input and parameters of one float type (f32 or f64; f32 on CubeCL,
+/// whose kernels sum in the stored type), of matching width.
 fn fused_parts<const D: usize>(
     norm: &LayerNorm,
     input: &Tensor<D>,
 ) -> Option<(Tensor<1>, Tensor<1>, f64)> {
     let device = input.device();
-    if !device.is_autodiff() || !(is_flex(&device) || is_libtorch(&device)) {
+    let cube = is_cube(&device);
+    if !device.is_autodiff() || !(is_flex(&device) || is_libtorch(&device) || cube) {
         return None;
     }
     let dtype = input.dtype();
     let (gamma, beta) = (norm.gamma.val(), norm.beta.as_ref()?.val());
-    let fusable = matches!(dtype, DType::F32 | DType::F64)
+    let float_type = if cube {
+        dtype == DType::F32
+    } else {
+        matches!(dtype, DType::F32 | DType::F64)
+    };
+    let fusable = float_type
         && gamma.dtype() == dtype
         && beta.dtype() == dtype
         && input.dims()[D - 1] == gamma.dims()[0];
@@ -148,13 +174,13 @@ impl<B: LayerNormBackend, C: CheckpointStrategy> LayerNormBackend for Autodiff<B
                     gamma.into_primitive(),
                     beta.into_primitive(),
                 );
-                let output = B::fused_layer_norm(x, gamma.clone(), beta.clone(), epsilon);
+                let output = B::layer_norm(x, gamma.clone(), Some(beta.clone()), epsilon);
                 prep.finish((x_state, gamma, beta, epsilon), output)
             }
-            OpsKind::UnTracked(prep) => prep.finish(B::fused_layer_norm(
+            OpsKind::UnTracked(prep) => prep.finish(B::layer_norm(
                 x.into_primitive(),
                 gamma.into_primitive(),
-                beta.into_primitive(),
+                Some(beta.into_primitive()),
                 epsilon,
             )),
         }
@@ -202,11 +228,11 @@ mod tests {
         }
     }
 
-    /// A norm of width 27 (three full lanes of eight and a rest) with random `γ`, `β`, `ε` = 1e-3.
-    fn norm_with_random_affine(device: &Device, dtype: DType) -> LayerNorm {
-        let mut norm = LayerNormConfig::new(27).with_epsilon(1e-3).init(device);
+    /// A norm of width `width` with random `γ`, `β`, `ε` = 1e-3.
+    fn norm_with_random_affine(device: &Device, dtype: DType, width: usize) -> LayerNorm {
+        let mut norm = LayerNormConfig::new(width).with_epsilon(1e-3).init(device);
         let uniform = |low, high| {
-            let values = Tensor::<1>::random([27], Distribution::Uniform(low, high), device);
+            let values = Tensor::<1>::random([width], Distribution::Uniform(low, high), device);
             Param::from_tensor(values.cast(dtype))
         };
         norm.gamma = uniform(0.5, 1.5);
@@ -215,23 +241,25 @@ mod tests {
     }
 
     /// The fused op against Burn's composed LayerNorm on the same device: forward and the
-    /// gradients of `x`, `γ` and `β`, on a transposed (non-contiguous) input of 210 rows (several
-    /// parallel tasks); `fused_run` wraps the fused pass (LibTorch: PyTorch's gradients off).
+    /// gradients of `x`, `γ` and `β`, on a transposed (non-contiguous) `[3, rows, width]` input;
+    /// `fused_run` wraps the fused pass (LibTorch: PyTorch's gradients off).
     fn fused_matches_burns(
         device: &Device,
         dtype: DType,
+        [rows, width]: [usize; 2],
         tolerance: f64,
         fused_run: impl FnOnce(&dyn Fn() -> [TensorData; 4]) -> [TensorData; 4],
     ) {
         let device = device.clone().autodiff();
-        let norm = norm_with_random_affine(&device, dtype);
-        let x = Tensor::<3>::random([27, 70, 3], Distribution::Normal(1.0, 2.0), &device)
+        let norm = norm_with_random_affine(&device, dtype, width);
+        let x = Tensor::<3>::random([width, rows, 3], Distribution::Normal(1.0, 2.0), &device)
             .cast(dtype)
             .swap_dims(0, 2)
             .require_grad();
         assert!(fused_parts(&norm, &x).is_some());
         let weights =
-            Tensor::<3>::random([3, 70, 27], Distribution::Normal(0.0, 1.0), &device).cast(dtype);
+            Tensor::<3>::random([3, rows, width], Distribution::Normal(0.0, 1.0), &device)
+                .cast(dtype);
         let run = |fused: bool| {
             let y = if fused {
                 layer_norm(&norm, x.clone())
@@ -260,8 +288,21 @@ mod tests {
     fn flex_matches_burns_composed_layer_norm() {
         // f32: ∂γ and ∂β sum 210 rows of terms of order 1, in another order than Burn's: 1e-5
         // failed about once in a few hundred random draws (1.4e-5), 3e-5 leaves room for that.
-        fused_matches_burns(&Device::flex(), DType::F32, 3e-5, |run| run());
-        fused_matches_burns(&Device::flex(), DType::F64, 1e-12, |run| run());
+        // Width 27: three full lanes of eight and a rest; 210 rows: several parallel tasks.
+        fused_matches_burns(&Device::flex(), DType::F32, [70, 27], 3e-5, |run| run());
+        fused_matches_burns(&Device::flex(), DType::F64, [70, 27], 1e-12, |run| run());
+    }
+
+    /// The kernels on wgpu: a row narrower than a cube (27 of 32 units), one of several elements
+    /// per unit with a rest (300: two per unit of 256, the second partly) and more rows than
+    /// backward cubes (1650 rows: several rows per cube, the last cube's run cut short).
+    #[cfg(feature = "wgpu")]
+    #[test]
+    fn kernels_match_burns_composed_layer_norm() {
+        let wgpu = crate::device::device("wgpu").unwrap();
+        for shape in [[70, 27], [40, 300], [550, 96]] {
+            fused_matches_burns(&wgpu, DType::F32, shape, 1e-4, |run| run());
+        }
     }
 
     #[cfg(feature = "tch")]
@@ -271,6 +312,7 @@ mod tests {
         fused_matches_burns(
             &Device::libtorch(),
             DType::F32,
+            [70, 27],
             1e-5,
             run_without_pytorch_grads,
         );
@@ -278,15 +320,15 @@ mod tests {
 
     /// Elsewhere (no autodiff, or a backend without the op) it is Burn's LayerNorm.
     #[test]
-    fn fused_only_under_autodiff_on_flex_or_libtorch() {
+    fn fused_only_under_autodiff_on_flex_libtorch_or_cubecl() {
         let device = Device::flex();
-        let norm = norm_with_random_affine(&device, DType::F32);
+        let norm = norm_with_random_affine(&device, DType::F32, 27);
         let x = Tensor::<2>::random([4, 27], Distribution::Normal(0.0, 1.0), &device);
         assert!(fused_parts(&norm, &x).is_none());
         assert!(fused_parts(&norm, &x.clone().cast(DType::F16)).is_none());
         let autodiff = device.autodiff();
         let x = Tensor::<2>::from_data(x.to_data(), &autodiff);
-        let autodiff = norm_with_random_affine(&autodiff, DType::F32);
+        let autodiff = norm_with_random_affine(&autodiff, DType::F32, 27);
         assert!(fused_parts(&autodiff, &x).is_some());
         let mut without_bias = autodiff;
         without_bias.beta = None;
@@ -294,8 +336,19 @@ mod tests {
         #[cfg(feature = "ndarray")]
         {
             let ndarray = crate::device::device("ndarray").unwrap().autodiff();
-            let norm = norm_with_random_affine(&ndarray, DType::F32);
-            assert!(fused_parts(&norm, &x.to_device(&ndarray)).is_none());
+            let norm = norm_with_random_affine(&ndarray, DType::F32, 27);
+            assert!(fused_parts(&norm, &x.clone().to_device(&ndarray)).is_none());
+        }
+        #[cfg(feature = "wgpu")]
+        {
+            for wgpu in [false, true].map(|tracked| {
+                let wgpu = crate::device::device("wgpu").unwrap();
+                if tracked { wgpu.autodiff() } else { wgpu }
+            }) {
+                let norm = norm_with_random_affine(&wgpu, DType::F32, 27);
+                let x = Tensor::<2>::from_data(x.to_data(), &wgpu);
+                assert_eq!(fused_parts(&norm, &x).is_some(), wgpu.is_autodiff());
+            }
         }
     }
 
@@ -305,7 +358,7 @@ mod tests {
     #[test]
     fn gradient_checkpointing_gives_the_same_gradients() {
         let flex = Device::flex();
-        let template = norm_with_random_affine(&flex, DType::F32);
+        let template = norm_with_random_affine(&flex, DType::F32, 27);
         let x = Tensor::<2>::random([90, 27], Distribution::Normal(0.0, 1.0), &flex);
         let run = |device: Device| {
             let copy = |tensor: Tensor<1>| {

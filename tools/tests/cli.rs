@@ -1,4 +1,5 @@
-//! The tools refuse bad flags with a message naming the flag and exit code 2, never a panic.
+//! The tools: bad flags refused with a message naming the flag and exit code 2, never a panic;
+//! the model workload at reduced size; the kernel counts within their targets.
 
 use std::path::Path;
 use std::process::Command;
@@ -57,6 +58,33 @@ fn model_workload_runs_every_variant_at_reduced_size() {
     for variant in ["residual", "hacn", "ancre", "hyperzzw", "hc", "mhc", "dwa"] {
         for pass in ["forward", "train_step"] {
             let line = format!(r#""workload":"model.{pass}","variant":"{variant}""#);
+            assert!(stdout.contains(&line), "no {line} in {stdout}");
+        }
+    }
+}
+
+/// `kernel_counts` on wgpu (lavapipe in CI): a train step of every counted connectivity within
+/// its target of extra kernels per block over the residual's (H-ACN ≤ 2, ANCRe ≤ 3, DWA ≤ 3,
+/// HC ≤ 8, mHC ≤ 8) at depth 4, and a JSON line per variant and pass. Train-step counts repeat
+/// exactly from run to run on the same driver.
+#[cfg(feature = "wgpu")]
+#[test]
+fn kernel_counts_meet_the_train_step_targets() {
+    let output = Command::new(env!("CARGO_BIN_EXE_kernel_counts"))
+        .args(["--depth", "4", "--variants", "hacn,ancre,hc,mhc,dwa"])
+        .output()
+        .expect("runs");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        output.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert!(!stdout.contains("NOT met"), "{stdout}");
+    assert_eq!(stdout.matches(": met)").count(), 5, "{stdout}");
+    for variant in ["residual", "hacn", "ancre", "hc", "mhc", "dwa"] {
+        for pass in ["forward", "forward_autodiff", "train_step"] {
+            let line = format!(r#"{{"variant": "{variant}", "pass": "{pass}", "depth": 4,"#);
             assert!(stdout.contains(&line), "no {line} in {stdout}");
         }
     }

@@ -13,7 +13,7 @@
 //! block and, for the train step, the crate's targets; then one JSON line per variant and pass,
 //!
 //! ```text
-//! {"variant": "mhc", "pass": "train_step", "depth": 4, "kernels": 196, "extra_per_block": 13.75, "device": "wgpu", "trained_input": false}
+//! {"variant": "mhc", "pass": "train_step", "depth": 4, "kernels": 102, "extra_per_block": 6.50, "device": "wgpu", "trained_input": false}
 //! ```
 //!
 //! (`pass`: `forward`, `forward_autodiff` or `train_step`); and the kernels of one connectivity
@@ -21,8 +21,9 @@
 //!
 //! The train step's stack input is a constant by default, so the residual stack never
 //! differentiates its first block's input; a connectivity with parameters before the first block
-//! (HC's and mHC's first mixing) must, about 20 kernels once per pass. `--trained-input` makes
-//! the input require a gradient, as under a trained embedding, where every variant pays them.
+//! (HC's and mHC's first mixing) must (once per pass; about 20 kernels while LayerNorm's
+//! backward was composed, one since). `--trained-input` makes the input require a gradient, as
+//! under a trained embedding, where every variant pays them.
 
 use burn_connectivity_tools as common;
 use burn_connectivity_tools::workloads;

@@ -15,11 +15,13 @@
 //! `a = √N, c = Nε`. Composed from tensor ops this is a full-size square, a sum, and a
 //! skinny matrix product (`C` ≤ 24 columns) whose input gradient is a full-size product of
 //! inner dimension `C`, each a pass over the units, plus a full-size gradient for the square
-//! and one more accumulation into the units' gradient. Here the forward reads the rows once,
-//! and the backward reads them once and writes their gradient once, `∂W` summed on the way.
-//! Where the rows are a layer's units and the layer's mixes left their parts of the units'
-//! gradient in a [`UnitsGradient`] (see there), the backward adds those in the same pass, so
-//! the units' gradient is written once for all three ops. Flex only (f32 and f64).
+//! and one more accumulation into the units' gradient. Here the forward is one matrix product
+//! (`gemm`, as Flex's own) and a pass for the row norms; the backward starts the rows' gradient
+//! with the `x_r` term and, where the rows are a layer's units whose mixes left their parts of
+//! the units' gradient in a [`UnitsGradient`] (see there), those parts, in one pass, then adds
+//! `(s ∂P) Wᵀ` in an accumulating product, so that the units' gradient is written once for all
+//! three ops; `∂W = xᵀ (s ∂P)` is one more product.
+//! Flex only (f32 and f64).
 
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
@@ -106,342 +108,145 @@ pub(crate) fn fused_normed_projection(
     ))
 }
 
-/// `Wᵀ` (`[C, w]`, contiguous), so that each column of `W` is a contiguous row.
-fn transposed<E: Scalar>(weights: &FlexTensor) -> (Vec<E>, usize) {
-    let [width, columns] = dims::<2>(weights);
-    let w = values::<E>(weights);
-    let mut wt = vec![E::zero(); columns * width];
-    for (k, row) in w.chunks_exact(columns).enumerate() {
-        for (c, &value) in row.iter().enumerate() {
-            wt[c * width + k] = value;
-        }
+/// `s(‖x_r‖)` and `s'(‖x_r‖) / ‖x_r‖` of every row of `x` (`[R, w]`).
+fn row_scales<E: Scalar>(x: &[E], width: usize, scale: RowScale) -> Vec<(E, E)> {
+    let mut scales = vec![(E::zero(), E::zero()); x.len() / width.max(1)];
+    if width > 0 {
+        scales
+            .par_chunks_mut(ROWS_PER_TASK)
+            .zip(x.par_chunks(ROWS_PER_TASK * width))
+            .for_each(|(scales, x)| {
+                for (scale_r, x) in scales.iter_mut().zip(x.chunks_exact(width)) {
+                    let (s, slope) = scale.at(to_f64(dot(x, x)).sqrt());
+                    *scale_r = (from_f64(s), from_f64(slope));
+                }
+            });
     }
-    (wt, columns)
+    scales
 }
 
-/// The forward of one task's rows `x` (`[r, w]`) into `out` (`[r, C]`), portable.
-fn forward_rows<E: Scalar>(x: &[E], wt: &[E], width: usize, scale: RowScale, out: &mut [E]) {
-    let columns = wt.len() / width;
-    for (out, x) in out.chunks_exact_mut(columns).zip(x.chunks_exact(width)) {
-        let s = from_f64::<E>(scale.at(to_f64(dot(x, x)).sqrt()).0);
-        for (out, row) in out.iter_mut().zip(wt.chunks_exact(width)) {
-            *out = s * dot(x, row);
+/// A matrix in a slice: the element `(i, j)` at `i · rows + j · columns`.
+#[derive(Clone, Copy)]
+struct Strided<'a, E> {
+    values: &'a [E],
+    rows: usize,
+    columns: usize,
+}
+
+impl<'a, E> Strided<'a, E> {
+    /// Row-major with rows of `len`.
+    fn row_major(values: &'a [E], len: usize) -> Self {
+        Self {
+            values,
+            rows: len,
+            columns: 1,
         }
+    }
+
+    /// The transpose of the row-major matrix with rows of `len`.
+    fn transposed(values: &'a [E], len: usize) -> Self {
+        Self {
+            values,
+            rows: 1,
+            columns: len,
+        }
+    }
+
+    /// Whether every element of an `m × n` matrix lies in the slice.
+    fn covers(&self, m: usize, n: usize) -> bool {
+        m == 0 || n == 0 || (m - 1) * self.rows + (n - 1) * self.columns < self.values.len()
     }
 }
 
-/// The backward of one task's rows, portable: `∂x` added to `grad_x` (`[r, w]`), `∂Wᵀ` added to
-/// `grad_wt` (`[C, w]`); `scaled` is scratch space for `s_r ∂P_r` (`[r, C]`).
-#[allow(clippy::too_many_arguments)]
-fn backward_rows<E: Scalar>(
-    x: &[E],
-    wt: &[E],
-    width: usize,
-    (p, g): (&[E], &[E]),
-    scale: RowScale,
-    grad_x: &mut [E],
-    grad_wt: &mut [E],
-    scaled: &mut [E],
+/// `out = a b` (or `out += a b` with `accumulate`) for `a` `[m, k]` and `b` `[k, n]` into the
+/// row-major `out` `[m, n]`, through `gemm`, the crate Flex's own matrix products call: its
+/// packed, register-blocked kernels read `W` and `x` once per panel, where a loop over the rows
+/// reads `W` once per row.
+fn product<E: Scalar>(
+    out: &mut [E],
+    accumulate: bool,
+    (m, n, k): (usize, usize, usize),
+    a: Strided<'_, E>,
+    b: Strided<'_, E>,
 ) {
-    let columns = wt.len() / width;
-    let rows = grad_x
-        .chunks_exact_mut(width)
-        .zip(x.chunks_exact(width))
-        .zip(p.chunks_exact(columns).zip(g.chunks_exact(columns)))
-        .zip(scaled.chunks_exact_mut(columns));
-    for (((grad_x, x), (p, g)), scaled) in rows {
-        let (s, slope) = scale.at(to_f64(dot(x, x)).sqrt());
-        // x W · ∂P = (P · ∂P) / s.
-        let coefficient = from_f64::<E>(slope * to_f64(dot(p, g)) / s);
-        let s = from_f64::<E>(s);
-        axpy(grad_x, coefficient, x);
-        for ((scaled, &g), (row, grad_row)) in scaled
-            .iter_mut()
-            .zip(g)
-            .zip(wt.chunks_exact(width).zip(grad_wt.chunks_exact_mut(width)))
-        {
-            *scaled = s * g;
-            axpy(grad_x, *scaled, row);
-            axpy(grad_row, *scaled, x);
+    assert!(
+        out.len() == m * n && a.covers(m, k) && b.covers(k, n),
+        "normed projection: a product's operands do not cover [{m}, {k}] × [{k}, {n}]"
+    );
+    if m * n == 0 {
+        return;
+    }
+    if k == 0 {
+        if !accumulate {
+            out.fill(E::zero());
         }
+        return;
+    }
+    // Flex's threshold for a parallel product.
+    let parallelism = if m * n * k >= 192 * 192 * 192 {
+        gemm::Parallelism::Rayon(0)
+    } else {
+        gemm::Parallelism::None
+    };
+    let stride = |s: usize| s as isize;
+    // SAFETY: `out` holds `[m, n]` row-major and `a`, `b` cover `[m, k]`, `[k, n]` with their
+    // strides (asserted above); gemm takes f32 and f64 (the only `Scalar`s).
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            out.as_mut_ptr(),
+            1,
+            stride(n),
+            accumulate,
+            a.values.as_ptr(),
+            stride(a.columns),
+            stride(a.rows),
+            b.values.as_ptr(),
+            stride(b.columns),
+            stride(b.rows),
+            E::one(),
+            E::one(),
+            false,
+            false,
+            false,
+            parallelism,
+        );
     }
 }
 
-/// The row loops of one task, for each float type: the portable loops above, and for f32 on
-/// x86-64 CPUs with AVX2 and FMA hand-vectorised ones ([`avx2`]).
-trait RowKernels: Scalar {
-    fn forward_rows(x: &[Self], wt: &[Self], width: usize, scale: RowScale, out: &mut [Self]) {
-        forward_rows(x, wt, width, scale, out);
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn backward_rows(
-        x: &[Self],
-        wt: &[Self],
-        width: usize,
-        pg: (&[Self], &[Self]),
-        scale: RowScale,
-        grad_x: &mut [Self],
-        grad_wt: &mut [Self],
-        scaled: &mut [Self],
-    ) {
-        backward_rows(x, wt, width, pg, scale, grad_x, grad_wt, scaled);
-    }
-}
-
-impl RowKernels for f64 {}
-
-impl RowKernels for f32 {
-    fn forward_rows(x: &[f32], wt: &[f32], width: usize, scale: RowScale, out: &mut [f32]) {
-        #[cfg(target_arch = "x86_64")]
-        if crate::backend::flex_kernels::avx2::available() {
-            // SAFETY: the CPU has AVX2 and FMA.
-            unsafe { avx2::forward_rows(x, wt, width, scale, out) };
-            return;
-        }
-        forward_rows(x, wt, width, scale, out);
-    }
-
-    fn backward_rows(
-        x: &[f32],
-        wt: &[f32],
-        width: usize,
-        pg: (&[f32], &[f32]),
-        scale: RowScale,
-        grad_x: &mut [f32],
-        grad_wt: &mut [f32],
-        scaled: &mut [f32],
-    ) {
-        #[cfg(target_arch = "x86_64")]
-        if crate::backend::flex_kernels::avx2::available() {
-            // SAFETY: the CPU has AVX2 and FMA.
-            unsafe { avx2::backward_rows(x, wt, width, pg, scale, grad_x, grad_wt, scaled) };
-            return;
-        }
-        backward_rows(x, wt, width, pg, scale, grad_x, grad_wt, scaled);
-    }
-}
-
-/// The f32 row loops with AVX2 and FMA intrinsics (see [`flex_kernels::avx2`]). Rows go in
-/// blocks of [`BLOCK`], so that each chunk of `Wᵀ` is loaded once per block rather than once
-/// per row: with mHC's `W` (`[nC, n² + 2n]`, 96 kB at n = 4, C = 256) the loads of `Wᵀ` from L2
-/// are what a row-at-a-time loop waits on. The backward packs `Wᵀ` in panels of eight entries
-/// and takes the panels outermost (see [`backward_rows`]).
-#[cfg(target_arch = "x86_64")]
-mod avx2 {
-    use std::arch::x86_64::*;
-
-    use super::RowScale;
-    use crate::backend::flex_kernels::avx2::{dot, load, store, total};
-
-    /// Rows per block (each with its own chain of FMAs).
-    const BLOCK: usize = 4;
-
-    #[target_feature(enable = "avx2,fma")]
-    pub(super) fn forward_rows(
-        x: &[f32],
-        wt: &[f32],
-        width: usize,
-        scale: RowScale,
-        out: &mut [f32],
-    ) {
-        let columns = wt.len() / width;
-        let row_count = x.len() / width;
-        let mut first = 0;
-        while first + BLOCK <= row_count {
-            forward_block::<BLOCK>(x, wt, width, scale, out, first);
-            first += BLOCK;
-        }
-        for row in first..row_count {
-            forward_block::<1>(x, wt, width, scale, out, row);
-        }
-        debug_assert_eq!(out.len(), row_count * columns);
-    }
-
-    /// Rows `first..first + N` of the forward.
-    #[target_feature(enable = "avx2,fma")]
-    fn forward_block<const N: usize>(
-        x: &[f32],
-        wt: &[f32],
-        width: usize,
-        scale: RowScale,
-        out: &mut [f32],
-        first: usize,
-    ) {
-        let columns = wt.len() / width;
-        let split = width / 8 * 8;
-        let rows: [&[f32]; N] = std::array::from_fn(|i| &x[(first + i) * width..][..width]);
-        let scales = rows.map(|row| scale.at(f64::from(dot(row, row)).sqrt()).0 as f32);
-        for (c, column) in wt.chunks_exact(width).enumerate() {
-            let mut sums = [_mm256_setzero_ps(); N];
-            for k in (0..split).step_by(8) {
-                let w = load(column, k);
-                for (sum, row) in sums.iter_mut().zip(rows) {
-                    *sum = _mm256_fmadd_ps(load(row, k), w, *sum);
-                }
-            }
-            for (i, (sum, row)) in sums.into_iter().zip(rows).enumerate() {
-                let tail: f32 = (split..width).map(|k| row[k] * column[k]).sum();
-                out[(first + i) * columns + c] = scales[i] * (total(sum) + tail);
-            }
-        }
-    }
-
-    /// The backward of one task's rows (the portable [`super::backward_rows`]'s contract).
-    #[allow(clippy::too_many_arguments)]
-    #[target_feature(enable = "avx2,fma")]
-    pub(super) fn backward_rows(
-        x: &[f32],
-        wt: &[f32],
-        width: usize,
-        (p, g): (&[f32], &[f32]),
-        scale: RowScale,
-        grad_x: &mut [f32],
-        grad_wt: &mut [f32],
-        scaled: &mut [f32],
-    ) {
-        let columns = wt.len() / width;
-        let row_count = x.len() / width;
-        // Per row: s ∂P (into `scaled`) and the coefficient of x in ∂x.
-        let coefficients: Vec<f32> = (0..row_count)
-            .map(|r| {
-                let row = &x[r * width..][..width];
-                let (p, g) = (&p[r * columns..][..columns], &g[r * columns..][..columns]);
-                let (s, slope) = scale.at(f64::from(dot(row, row)).sqrt());
-                for (scaled, &g) in scaled[r * columns..][..columns].iter_mut().zip(g) {
-                    *scaled = s as f32 * g;
-                }
-                // x W · ∂P = (P · ∂P) / s.
-                let along: f64 = p.iter().zip(g).map(|(&p, &g)| f64::from(p * g)).sum();
-                (slope * along / s) as f32
-            })
-            .collect();
-        // `Wᵀ` and `∂Wᵀ` packed in panels of eight entries: panel `q` holds entries
-        // `8q..8q + 8` of every column, so that a pass over the columns at fixed entries reads
-        // contiguous memory (over `Wᵀ` itself it strides by the width, which maps every column
-        // to the same L1 set when a row is 4 kB).
-        let split = width / 8 * 8;
-        let panels = split / 8;
-        let mut packed = vec![0.0; panels * columns * 8];
-        for (q, panel) in packed.chunks_exact_mut(columns * 8).enumerate() {
-            for (c, lanes) in panel.chunks_exact_mut(8).enumerate() {
-                lanes.copy_from_slice(&wt[c * width + 8 * q..][..8]);
-            }
-        }
-        let mut grad_packed = vec![0.0; packed.len()];
-        // Panel by panel, every row of the task: each panel of `Wᵀ` and `∂Wᵀ` (2 kB at mHC's
-        // 32 columns) is read from L2 once per task, not once per block of rows.
-        for (q, (panel, grad_panel)) in packed
-            .chunks_exact(columns * 8)
-            .zip(grad_packed.chunks_exact_mut(columns * 8))
-            .enumerate()
-        {
-            let mut first = 0;
-            while first + BLOCK <= row_count {
-                panel_block::<BLOCK>(
-                    x,
-                    (panel, grad_panel),
-                    (width, 8 * q),
-                    (&coefficients, scaled),
-                    grad_x,
-                    first,
-                );
-                first += BLOCK;
-            }
-            for row in first..row_count {
-                panel_block::<1>(
-                    x,
-                    (panel, grad_panel),
-                    (width, 8 * q),
-                    (&coefficients, scaled),
-                    grad_x,
-                    row,
-                );
-            }
-        }
-        for (q, panel) in grad_packed.chunks_exact(columns * 8).enumerate() {
-            for (c, lanes) in panel.chunks_exact(8).enumerate() {
-                let at = c * width + 8 * q;
-                store(
-                    grad_wt,
-                    at,
-                    _mm256_add_ps(load(grad_wt, at), load(lanes, 0)),
-                );
-            }
-        }
-        // The entries past the panels.
-        for r in 0..row_count {
-            let gains = &scaled[r * columns..][..columns];
-            for k in split..width {
-                let value = x[r * width + k];
-                let mut sum = grad_x[r * width + k] + coefficients[r] * value;
-                for (c, &gain) in gains.iter().enumerate() {
-                    sum += gain * wt[c * width + k];
-                    grad_wt[c * width + k] += gain * value;
-                }
-                grad_x[r * width + k] = sum;
-            }
-        }
-    }
-
-    /// Entries `k..k + 8` of `∂x_r += coefficient_r x_r + Σ_c (s_r ∂P_rc) Wᵀ_c` for rows
-    /// `first..first + N`, and those rows' terms of `∂Wᵀ_c += Σ_r (s_r ∂P_rc) x_r` added to the
-    /// panel `grad_panel`: the rows' sums in registers, each column's lanes loaded, updated by
-    /// every row, stored.
-    #[target_feature(enable = "avx2,fma")]
-    fn panel_block<const N: usize>(
-        x: &[f32],
-        (panel, grad_panel): (&[f32], &mut [f32]),
-        (width, k): (usize, usize),
-        (coefficients, scaled): (&[f32], &[f32]),
-        grad_x: &mut [f32],
-        first: usize,
-    ) {
-        let columns = panel.len() / 8;
-        let gains = &scaled[first * columns..(first + N) * columns];
-        let rows: [__m256; N] = std::array::from_fn(|i| load(x, (first + i) * width + k));
-        let mut sums: [__m256; N] = std::array::from_fn(|i| {
-            let start = _mm256_set1_ps(coefficients[first + i]);
-            _mm256_fmadd_ps(start, rows[i], load(grad_x, (first + i) * width + k))
-        });
-        for c in 0..columns {
-            let w = load(panel, 8 * c);
-            let mut grad_w = load(grad_panel, 8 * c);
-            for (i, (sum, row)) in sums.iter_mut().zip(rows).enumerate() {
-                let gain = _mm256_set1_ps(gains[i * columns + c]);
-                *sum = _mm256_fmadd_ps(gain, w, *sum);
-                grad_w = _mm256_fmadd_ps(gain, row, grad_w);
-            }
-            store(grad_panel, 8 * c, grad_w);
-        }
-        for (i, sum) in sums.into_iter().enumerate() {
-            store(grad_x, (first + i) * width + k, sum);
-        }
-    }
-}
-
-fn forward<E: RowKernels>(rows: &FlexTensor, weights: &FlexTensor, scale: RowScale) -> FlexTensor {
+fn forward<E: Scalar>(rows: &FlexTensor, weights: &FlexTensor, scale: RowScale) -> FlexTensor {
     let [count, width] = dims::<2>(rows);
+    let [weight_rows, columns] = dims::<2>(weights);
     assert_eq!(
-        dims::<2>(weights)[0],
-        width,
+        weight_rows, width,
         "normed projection: weights and rows disagree"
     );
-    let (wt, columns) = transposed::<E>(weights);
-    let x = values::<E>(rows);
+    let (x, w) = (values::<E>(rows), values::<E>(weights));
     let mut out = vec![E::zero(); count * columns];
-    if columns > 0 && width > 0 {
-        out.par_chunks_mut(ROWS_PER_TASK * columns)
-            .zip(x.par_chunks(ROWS_PER_TASK * width))
-            .for_each(|(out, x)| {
-                E::forward_rows(x, &wt, width, scale, out);
-            });
+    product(
+        &mut out,
+        false,
+        (count, columns, width),
+        Strided::row_major(&x, width),
+        Strided::row_major(&w, columns),
+    );
+    if columns > 0 {
+        for (out, (s, _)) in out
+            .chunks_exact_mut(columns)
+            .zip(row_scales(&x, width, scale))
+        {
+            out.iter_mut().for_each(|value| *value = *value * s);
+        }
     }
     tensor(out, [count, columns])
 }
 
-/// The gradients of the rows (plus the parts of the units' gradient in `deferred`) and of `W`.
-fn backward<E: RowKernels>(
+/// The gradients of the rows (plus the parts of the units' gradient in `deferred`) and of `W`:
+/// `∂x` starts as the deferred parts and the `x_r` term, then takes `(s ∂P) Wᵀ` in one
+/// accumulating product; `∂W = xᵀ (s ∂P)`.
+fn backward<E: Scalar>(
     rows: &FlexTensor,
     weights: &FlexTensor,
     projection: &FlexTensor,
@@ -450,12 +255,26 @@ fn backward<E: RowKernels>(
     deferred: &DeferredTerms<'_, E>,
 ) -> (FlexTensor, FlexTensor) {
     let [count, width] = dims::<2>(rows);
-    let (wt, columns) = transposed::<E>(weights);
-    let (x, p, g) = (
+    let columns = dims::<2>(weights)[1];
+    let (x, w, p, g) = (
         values::<E>(rows),
+        values::<E>(weights),
         values::<E>(projection),
         values::<E>(grad),
     );
+    let scales = row_scales(&x, width, scale);
+    // `s_r ∂P_r`, and the coefficient of `x_r` in `∂x_r`: `s'/n · x_r W · ∂P_r`, where
+    // `x_r W · ∂P_r = (P_r · ∂P_r) / s_r`.
+    let mut scaled = vec![E::zero(); count * columns];
+    let mut coefficients = vec![E::zero(); count];
+    if columns > 0 {
+        for (r, (scaled, &(s, slope))) in scaled.chunks_exact_mut(columns).zip(&scales).enumerate()
+        {
+            let (p, g) = (&p[r * columns..][..columns], &g[r * columns..][..columns]);
+            scaled.iter_mut().zip(g).for_each(|(out, &g)| *out = s * g);
+            coefficients[r] = slope * dot(p, g) / s;
+        }
+    }
     // Tasks take whole tokens of the units (HC's rows are units, `U` per token; mHC's are
     // tokens), so that each adds the deferred parts of its own tokens.
     let token_len = deferred.token_len();
@@ -468,54 +287,42 @@ fn backward<E: RowKernels>(
         );
         ROWS_PER_TASK.next_multiple_of(token_len / width)
     };
-    let first_token = |task: usize| task * rows_per_task * width / token_len.max(1);
     let mut grad_rows = unwritten::<E>(count * width);
-    let grad_wt = if columns == 0 || width == 0 {
-        // No projection: the rows get no gradient of their own.
-        deferred.add_to(0, zeroed(&mut grad_rows));
-        vec![E::zero(); columns * width]
-    } else {
+    if width > 0 {
         grad_rows
             .par_chunks_mut(rows_per_task * width)
             .zip(x.par_chunks(rows_per_task * width))
-            .zip(p.par_chunks(rows_per_task * columns))
-            .zip(g.par_chunks(rows_per_task * columns))
+            .zip(coefficients.par_chunks(rows_per_task))
             .enumerate()
-            .fold(
-                || vec![E::zero(); columns * width],
-                |mut grad_wt, (task, (((grad_x, x), p), g))| {
-                    let grad_x = zeroed(grad_x);
-                    deferred.add_to(first_token(task), grad_x);
-                    let mut scaled = vec![E::zero(); p.len()];
-                    E::backward_rows(
-                        x,
-                        &wt,
-                        width,
-                        (p, g),
-                        scale,
-                        grad_x,
-                        &mut grad_wt,
-                        &mut scaled,
-                    );
-                    grad_wt
-                },
-            )
-            .reduce(
-                || vec![E::zero(); columns * width],
-                |mut total, part| {
-                    total.iter_mut().zip(&part).for_each(|(t, &v)| *t += v);
-                    total
-                },
-            )
-    };
-    // SAFETY: the tasks' chunks partition `grad_rows` (or it was zeroed whole), each zeroed.
-    let grad_rows = unsafe { written(grad_rows) };
-    let mut grad_weights = vec![E::zero(); width * columns];
-    for (c, row) in grad_wt.chunks_exact(width.max(1)).enumerate() {
-        for (k, &value) in row.iter().enumerate() {
-            grad_weights[k * columns + c] = value;
-        }
+            .for_each(|(task, ((grad_x, x), coefficients))| {
+                let grad_x = zeroed(grad_x);
+                deferred.add_to(task * rows_per_task * width / token_len.max(1), grad_x);
+                for ((grad_x, x), &coefficient) in grad_x
+                    .chunks_exact_mut(width)
+                    .zip(x.chunks_exact(width))
+                    .zip(coefficients)
+                {
+                    axpy(grad_x, coefficient, x);
+                }
+            });
     }
+    // SAFETY: the tasks' chunks partition `grad_rows`, each zeroed (none when it is empty).
+    let mut grad_rows = unsafe { written(grad_rows) };
+    product(
+        &mut grad_rows,
+        true,
+        (count, width, columns),
+        Strided::row_major(&scaled, columns),
+        Strided::transposed(&w, columns),
+    );
+    let mut grad_weights = vec![E::zero(); width * columns];
+    product(
+        &mut grad_weights,
+        false,
+        (width, columns, count),
+        Strided::transposed(&x, width),
+        Strided::row_major(&scaled, columns),
+    );
     (
         tensor(grad_rows, [count, width]),
         tensor(grad_weights, [width, columns]),
@@ -718,74 +525,6 @@ mod tests {
                     fused.assert_approx_eq::<f64>(composed, tolerance);
                 }
             }
-        }
-    }
-}
-
-#[cfg(test)]
-mod kernel_tests {
-    use super::{RowKernels, RowScale, backward_rows, forward_rows};
-    use crate::backend::flex_kernels::tests::sequence;
-
-    /// The f32 row loops the CPU runs (AVX2 where it has it) against the portable ones, for
-    /// widths around the lanes' multiples and column counts around the blocks of four.
-    #[test]
-    fn f32_row_loops_match_the_portable_ones() {
-        let scale = RowScale {
-            numerator: 4.0,
-            offset: 1e-3,
-            floor: 0.0,
-            root_offset: 0.0,
-        };
-        let close = |a: &[f32], b: &[f32], what: &str| {
-            for (a, b) in a.iter().zip(b) {
-                assert!(
-                    (a - b).abs() <= 1e-4 * (1.0 + b.abs()),
-                    "{what}: {a} against {b}"
-                );
-            }
-        };
-        // (Rows past the blocks of four, widths of several panels with entries past the last.)
-        for (rows, width, columns) in [
-            (5, 17, 6),
-            (3, 8, 4),
-            (4, 33, 9),
-            (2, 5, 1),
-            (3, 75, 5),
-            (19, 40, 7),
-            (9, 300, 3),
-        ] {
-            let x = sequence(rows * width, 3);
-            let wt = sequence(columns * width, 4);
-            let g = sequence(rows * columns, 5);
-            let (mut fast, mut portable) = (vec![0.0; rows * columns], vec![0.0; rows * columns]);
-            <f32 as RowKernels>::forward_rows(&x, &wt, width, scale, &mut fast);
-            forward_rows(&x, &wt, width, scale, &mut portable);
-            close(&fast, &portable, "forward");
-            let backward = |fast: bool| {
-                let mut grads = (vec![0.0; rows * width], vec![0.5; columns * width]);
-                let mut scaled = vec![0.0; rows * columns];
-                let run = if fast {
-                    <f32 as RowKernels>::backward_rows
-                } else {
-                    backward_rows::<f32>
-                };
-                let (grad_x, grad_wt) = (&mut grads.0, &mut grads.1);
-                run(
-                    &x,
-                    &wt,
-                    width,
-                    (&portable, &g),
-                    scale,
-                    grad_x,
-                    grad_wt,
-                    &mut scaled,
-                );
-                grads
-            };
-            let (fast, portable) = (backward(true), backward(false));
-            close(&fast.0, &portable.0, "∂x");
-            close(&fast.1, &portable.1, "∂Wᵀ");
         }
     }
 }

@@ -131,6 +131,31 @@ pub(crate) mod kernels {
         }
     }
 
+    /// `Σ value` over the units of the cube, through `shared` (at least one entry per unit;
+    /// free again on return).
+    #[cube]
+    pub(crate) fn cube_total<E: Float>(value: E, shared: &mut Shared<[E]>) -> E {
+        shared[UNIT_POS as usize] = value;
+        sync_cube();
+        sum_over_cube::<E>(shared, 1usize);
+        let total = shared[0];
+        sync_cube();
+        total
+    }
+
+    /// [`cube_total`] of two values at once (two entries per unit).
+    #[cube]
+    pub(crate) fn cube_totals<E: Float>(first: E, second: E, shared: &mut Shared<[E]>) -> (E, E) {
+        let unit = UNIT_POS as usize;
+        shared[2 * unit] = first;
+        shared[2 * unit + 1] = second;
+        sync_cube();
+        sum_over_cube::<E>(shared, 2usize);
+        let totals = (shared[0], shared[1]);
+        sync_cube();
+        totals
+    }
+
     /// An `f32` constant passed as its bits.
     #[cube]
     pub(crate) fn constant<E: Float>(#[comptime] bits: u32) -> E {

@@ -440,7 +440,7 @@ impl<B: ScaleChainBackend, C: CheckpointStrategy> ScaleChainBackend for Autodiff
 mod kernels {
     use cubecl::prelude::*;
 
-    use crate::backend::cube_launch::kernels::sum_over_cube;
+    use crate::backend::cube_launch::kernels::cube_total;
 
     /// `∂s = v ∂y` (`v = entry[0]`, entry `index` of the values) and, per cube,
     /// `partials[cube, index] += ⟨s, ∂y⟩` over the cube's elements. A grid-stride loop.
@@ -476,12 +476,10 @@ mod kernels {
         if comptime!(values_wanted) {
             let unit = UNIT_POS as usize;
             let mut shared = Shared::<[E]>::new_slice(threads);
-            shared[unit] = dot;
-            sync_cube();
-            sum_over_cube::<E>(&mut shared, 1usize);
+            let total = cube_total::<E>(dot, &mut shared);
             let at = CUBE_POS * partials.shape(1) + index;
             if unit == 0 {
-                partials[at] += shared[0];
+                partials[at] += total;
             }
         }
     }

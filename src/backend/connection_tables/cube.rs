@@ -378,7 +378,7 @@ mod kernels {
     use cubecl::prelude::*;
 
     use crate::backend::cube_launch::kernels::{
-        constant, row_projection, row_root, row_scale, row_slope, sum_over_cube,
+        constant, cube_total, row_projection, row_root, row_scale, row_slope, sum_over_cube,
     };
     use crate::backend::sinkhorn::cube::kernels::{sinkhorn_backward, sinkhorn_forward};
 
@@ -699,15 +699,6 @@ mod kernels {
             i += threads;
         }
         total
-    }
-
-    /// The sum over the cube of every unit's `part` (in every unit).
-    #[cube]
-    fn cube_total<E: Float>(part: E, shared: &mut Shared<[E]>) -> E {
-        shared[UNIT_POS as usize] = part;
-        sync_cube();
-        sum_over_cube::<E>(shared, 1usize);
-        shared[0]
     }
 
     /// Cubes `0..row_cubes`: `∂W`, `∂v`, `∂γ` from `H`, one unit per row of `W`; then one cube

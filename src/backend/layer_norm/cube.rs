@@ -102,7 +102,7 @@ impl LayerNormBackend for Cube {
 mod kernels {
     use cubecl::prelude::*;
 
-    use crate::backend::cube_launch::kernels::{constant, sum_over_cube};
+    use crate::backend::cube_launch::kernels::{constant, cube_total, cube_totals};
 
     /// `(μ, r)` of row `row` of `x [R, d]`, `r = 1/√(var + ε)`, summed over the cube in
     /// `shared` (at least `threads` entries; free again on return).
@@ -125,11 +125,7 @@ mod kernels {
             sum += x[base + j];
             j += threads;
         }
-        shared[unit] = sum;
-        sync_cube();
-        sum_over_cube::<E>(shared, 1usize);
-        let mean = shared[0] * inverse_width;
-        sync_cube();
+        let mean = cube_total::<E>(sum, shared) * inverse_width;
         let mut squares = E::new(0.0);
         let mut j = unit;
         while j < width {
@@ -137,11 +133,7 @@ mod kernels {
             squares += centred * centred;
             j += threads;
         }
-        shared[unit] = squares;
-        sync_cube();
-        sum_over_cube::<E>(shared, 1usize);
-        let variance = shared[0] * inverse_width;
-        sync_cube();
+        let variance = cube_total::<E>(squares, shared) * inverse_width;
         let inverse_deviation = E::new(1.0) / (variance + constant::<E>(epsilon_bits)).sqrt();
         (mean, inverse_deviation)
     }
@@ -209,13 +201,9 @@ mod kernels {
                     sum_beta[k] += upstream;
                 }
             }
-            shared[2 * unit] = sum_g;
-            shared[2 * unit + 1] = sum_g_normed;
-            sync_cube();
-            sum_over_cube::<E>(&mut shared, 2usize);
-            let mean_g = shared[0] * inverse_width;
-            let mean_g_normed = shared[1] * inverse_width;
-            sync_cube();
+            let (total_g, total_g_normed) = cube_totals::<E>(sum_g, sum_g_normed, &mut shared);
+            let mean_g = total_g * inverse_width;
+            let mean_g_normed = total_g_normed * inverse_width;
             for k in 0..per_unit {
                 let j = unit + k * threads;
                 if j < width {

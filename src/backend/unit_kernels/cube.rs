@@ -381,7 +381,7 @@ mod kernels {
     use cubecl::prelude::*;
 
     use crate::backend::cube_launch::kernels::{
-        row_projection, row_root, row_scale, row_slope, sum_over_cube,
+        cube_total, row_projection, row_root, row_scale, row_slope, sum_over_cube,
     };
 
     #[cube(launch)]
@@ -444,10 +444,7 @@ mod kernels {
             j += threads;
         }
         let mut shared = Shared::<[E]>::new_slice(threads);
-        shared[unit] = squares;
-        sync_cube();
-        sum_over_cube::<E>(&mut shared, 1usize);
-        let root = row_root::<E>(shared[0], root_offset_bits);
+        let root = row_root::<E>(cube_total::<E>(squares, &mut shared), root_offset_bits);
         let scale = row_scale::<E>(root, numerator_bits, offset_bits, floor_bits);
         let slope = row_slope::<E>(root, scale, offset_bits, floor_bits);
         // (x W · ∂P) with x W = P / s.

@@ -225,7 +225,18 @@ pub fn assert_table_kernels_match_composed<M: crate::multi_stream::MultiStream>(
             .fold(1.0f32, |largest, value| largest.max(value.abs()));
         assert_eq!(kernel.shape(), composed.shape(), "{case}: result {index}");
         let tolerance = Tolerance::absolute(1e-4 * largest).set_relative(1e-3);
-        kernel.assert_approx_eq::<f32>(composed, tolerance);
+        // The case and result named in the failure (its inputs are random draws).
+        let compared = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            kernel.assert_approx_eq::<f32>(composed, tolerance);
+        }));
+        if let Err(panic) = compared {
+            let message = panic
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| panic.downcast_ref::<&str>().map(|text| text.to_string()))
+                .unwrap_or_default();
+            panic!("{case}: result {index} (largest |value| {largest}): {message}");
+        }
     }
 }
 

@@ -125,12 +125,12 @@ fn row_scales<E: Scalar>(x: &[E], width: usize, scale: RowScale) -> Vec<(E, E)> 
     scales
 }
 
-/// A matrix in a slice: the element `(i, j)` at `i · rows + j · columns`.
+/// A matrix in a slice: the element `(i, j)` at `i · row_stride + j · column_stride`.
 #[derive(Clone, Copy)]
 struct Strided<'a, E> {
     values: &'a [E],
-    rows: usize,
-    columns: usize,
+    row_stride: usize,
+    column_stride: usize,
 }
 
 impl<'a, E> Strided<'a, E> {
@@ -138,8 +138,8 @@ impl<'a, E> Strided<'a, E> {
     fn row_major(values: &'a [E], len: usize) -> Self {
         Self {
             values,
-            rows: len,
-            columns: 1,
+            row_stride: len,
+            column_stride: 1,
         }
     }
 
@@ -147,14 +147,16 @@ impl<'a, E> Strided<'a, E> {
     fn transposed(values: &'a [E], len: usize) -> Self {
         Self {
             values,
-            rows: 1,
-            columns: len,
+            row_stride: 1,
+            column_stride: len,
         }
     }
 
     /// Whether every element of an `m × n` matrix lies in the slice.
     fn covers(&self, m: usize, n: usize) -> bool {
-        m == 0 || n == 0 || (m - 1) * self.rows + (n - 1) * self.columns < self.values.len()
+        m == 0
+            || n == 0
+            || (m - 1) * self.row_stride + (n - 1) * self.column_stride < self.values.len()
     }
 }
 
@@ -201,11 +203,11 @@ fn product<E: Scalar>(
             stride(n),
             accumulate,
             a.values.as_ptr(),
-            stride(a.columns),
-            stride(a.rows),
+            stride(a.column_stride),
+            stride(a.row_stride),
             b.values.as_ptr(),
-            stride(b.columns),
-            stride(b.rows),
+            stride(b.column_stride),
+            stride(b.row_stride),
             E::one(),
             E::one(),
             false,

@@ -113,7 +113,7 @@ mod tests {
                 .mul_scalar(1.0 + depth as f64 * 0.1);
             norm.forward(x.clone())
                 .into_data()
-                .assert_approx_eq::<f32>(&expected.into_data(), Tolerance::absolute(1e-6));
+                .assert_approx_eq::<f32>(&expected.into_data(), Tolerance::rel_abs(1e-5, 1e-6));
         }
     }
 

@@ -617,7 +617,7 @@ mod tests {
             };
             group(y.clone(), g).into_data().assert_approx_eq::<f32>(
                 &expected.into_data(),
-                burn::tensor::Tolerance::absolute(1e-6),
+                burn::tensor::Tolerance::rel_abs(1e-5, 1e-6),
             );
         }
     }

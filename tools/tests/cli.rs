@@ -63,6 +63,43 @@ fn model_workload_runs_every_variant_at_reduced_size() {
     }
 }
 
+/// `--pairs` times each variant against a residual of its own: a residual line before each
+/// variant's, and one ratio per variant, to its pair's residual.
+#[test]
+fn pairs_give_each_variant_its_own_residual() {
+    let output = Command::new(env!("CARGO_BIN_EXE_bench_connectivity"))
+        .args([
+            "--only", "stack", "--passes", "forward", "--runs", "1", "--warmup", "0",
+        ])
+        .args(["--variants", "dwa,hacn", "--pairs"])
+        .output()
+        .expect("runs");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "{stderr}");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let lines: Vec<&str> = stdout
+        .lines()
+        .filter(|line| line.contains(r#""workload":"stack12.forward""#))
+        .collect();
+    let variant = |line: &str| {
+        line.split(r#""variant":""#)
+            .nth(1)
+            .map(|rest| rest[..3].to_string())
+    };
+    let order: Vec<Option<String>> = lines.iter().map(|line| variant(line)).collect();
+    let expected = ["res", "dwa", "res", "hac"].map(|v| Some(v.to_string()));
+    assert_eq!(order, expected, "{stdout}");
+    for variant in ["dwa", "hacn"] {
+        let ratios = stderr
+            .lines()
+            .filter(|line| {
+                line.contains("stack12.forward") && line.contains(&format!(" {variant}: time"))
+            })
+            .count();
+        assert_eq!(ratios, 1, "{variant}: {stderr}");
+    }
+}
+
 /// `kernel_counts` on wgpu (lavapipe in CI): a train step of every counted connectivity within
 /// its target of extra kernels per block over the residual's (H-ACN ≤ 2, ANCRe ≤ 3, DWA ≤ 3,
 /// HC ≤ 8, mHC ≤ 8) at depth 4, and a JSON line per variant and pass. Train-step counts repeat

@@ -126,6 +126,12 @@ struct Flags {
     /// pass's warm-up compiles and autotunes its own kernels: one pass costs half the time.
     #[arg(long, value_enum, value_delimiter = ',', default_values_t = [Pass::Forward, Pass::TrainStep])]
     passes: Vec<Pass>,
+    /// Stack and model workloads: time each variant against a residual of its own, one pair
+    /// after another with only the pair's two models alive, rather than every variant
+    /// round-robin in one set (the process then holds one model besides the residual, as a
+    /// training run does; each ratio is to the residual of its pair).
+    #[arg(long)]
+    pairs: bool,
 }
 
 /// The passes a stack workload times.
@@ -274,20 +280,16 @@ impl Report {
         self.results.push((workload, variant.to_string(), timing));
     }
 
-    /// Time and peak-memory ratios of every variant to `baseline` within each workload: the
-    /// ratio of the medians, and the spread of the ratios of runs of the same round (which
-    /// cancels drifts of the machine's speed that last longer than a round).
+    /// Time and peak-memory ratios of every variant to `baseline` within each workload (to the
+    /// latest `baseline` recorded before it, which `--pairs` records once per pair): the ratio
+    /// of the medians, and the spread of the ratios of runs of the same round (which cancels
+    /// drifts of the machine's speed that last longer than a round).
     fn print_ratios(&self, baseline: &str) {
-        let baselines: HashMap<&str, &Timing> = self
-            .results
-            .iter()
-            .filter(|(_, variant, _)| variant == baseline)
-            .map(|(workload, _, timing)| (workload.as_str(), timing))
-            .collect();
+        let mut baselines: HashMap<&str, &Timing> = HashMap::new();
         for (workload, variant, timing) in &self.results {
-            if let Some(base) = baselines.get(workload.as_str())
-                && variant != baseline
-            {
+            if variant == baseline {
+                baselines.insert(workload.as_str(), timing);
+            } else if let Some(base) = baselines.get(workload.as_str()) {
                 let mut paired: Vec<f64> = timing
                     .rounds_ms
                     .iter()
@@ -338,6 +340,7 @@ fn run(flags: Flags) -> Result<(), String> {
                 &variants,
                 rounds,
                 &flags.passes,
+                flags.pairs,
                 &mut report,
             );
         }
@@ -365,6 +368,7 @@ fn run(flags: Flags) -> Result<(), String> {
             &variants,
             rounds,
             &flags.passes,
+            flags.pairs,
             &mut report,
         );
         report.print_ratios(Variant::Residual.name());
@@ -395,7 +399,10 @@ fn run(flags: Flags) -> Result<(), String> {
 }
 
 /// Times the forward pass and the train step of every variant's stack of `shape`, the
-/// variants round-robin, as the workloads `{name}.forward` and `{name}.train_step`.
+/// variants round-robin, as the workloads `{name}.forward` and `{name}.train_step`; with
+/// `pairs`, each variant after the first (the residual) round-robin with a residual of its own,
+/// one pair after another.
+#[allow(clippy::too_many_arguments)]
 fn time_stacks(
     device: &Device,
     shape: StackShape,
@@ -403,8 +410,25 @@ fn time_stacks(
     variants: &[Variant],
     rounds: Rounds,
     passes: &[Pass],
+    pairs: bool,
     report: &mut Report,
 ) {
+    if pairs && variants.len() > 2 {
+        let (baseline, others) = variants.split_first().expect("the residual first");
+        for &variant in others {
+            time_stacks(
+                device,
+                shape,
+                name,
+                &[*baseline, variant],
+                rounds,
+                passes,
+                false,
+                report,
+            );
+        }
+        return;
+    }
     let training = device.clone().autodiff();
     let modes = [
         (Pass::Forward, "forward", device),

@@ -490,7 +490,7 @@ mod tests {
                 .with_tanh(tanh)
                 .init(1, &device)
                 .expect("valid config")
-                .map(&mut Perturbed(0.5));
+                .map(&mut Perturbed::new(0.5));
             let layer = &hc.layers[0];
             let dynamic = layer.dynamic.as_ref().expect("dynamic by default");
             assert_table_kernels_match_composed(

@@ -533,7 +533,7 @@ mod tests {
                 .with_sinkhorn_iterations(iterations)
                 .init(1, &device)
                 .expect("valid config")
-                .map(&mut Perturbed(0.3));
+                .map(&mut Perturbed::new(0.3));
             let layer = &mhc.layers[0];
             assert_table_kernels_match_composed(
                 &mhc,

@@ -424,7 +424,7 @@ mod tests {
                 .with_phi_std(0.3)
                 .init(1, &device)
                 .expect("valid config")
-                .map(&mut Perturbed(1.0));
+                .map(&mut Perturbed::new(1.0));
             let layer = &lite.layers[0];
             assert_table_kernels_match_composed(
                 &lite,

@@ -350,7 +350,7 @@ mod tests {
                 .with_init_std(0.3)
                 .init(1, &device)
                 .expect("valid config")
-                .map(&mut Perturbed(0.3));
+                .map(&mut Perturbed::new(0.3));
             let layer = &v4.layers[0];
             // Small units (std 1e-3), so that the RMS scale's ε matters next to their mean square.
             assert_table_kernels_match_composed(

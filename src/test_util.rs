@@ -110,10 +110,49 @@ pub fn input_gradient(x: &Tensor<3>, grads: &burn::tensor::Gradients) -> Vec<f64
         .collect()
 }
 
-/// Every float parameter plus Gaussian noise of standard deviation `std`, requiring a gradient:
-/// a layer away from its initialisation (where zero weights hide terms from the gradients).
+/// Entries of standard deviation `std` drawn from a fixed sequence (a linear congruential
+/// generator from `seed`, then Box–Muller): the same draw in every run, so that a comparison
+/// of two paths that fails on it fails again.
 #[cfg(feature = "wgpu")]
-pub struct Perturbed(pub f64);
+pub fn fixed_normal<const D: usize>(
+    shape: [usize; D],
+    std: f64,
+    seed: u64,
+    device: &Device,
+) -> Tensor<D> {
+    let count: usize = shape.iter().product();
+    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15).wrapping_add(1);
+    let mut uniform = move || {
+        state = state
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        // In (0, 1]: 53 high bits, never 0 (the logarithm below).
+        ((state >> 11) + 1) as f64 / (1u64 << 53) as f64
+    };
+    let values: Vec<f32> = (0..count)
+        .map(|_| {
+            let (u, v) = (uniform(), uniform());
+            (std * (-2.0 * u.ln()).sqrt() * (std::f64::consts::TAU * v).cos()) as f32
+        })
+        .collect();
+    Tensor::from_data(TensorData::new(values, shape), device)
+}
+
+/// Every float parameter plus noise of standard deviation `std` ([`fixed_normal`], a seed per
+/// parameter in the order visited), requiring a gradient: a layer away from its initialisation
+/// (where zero weights hide terms from the gradients).
+#[cfg(feature = "wgpu")]
+pub struct Perturbed {
+    std: f64,
+    visited: u64,
+}
+
+#[cfg(feature = "wgpu")]
+impl Perturbed {
+    pub fn new(std: f64) -> Self {
+        Self { std, visited: 0 }
+    }
+}
 
 #[cfg(feature = "wgpu")]
 impl burn::module::ModuleMapper for Perturbed {
@@ -121,13 +160,10 @@ impl burn::module::ModuleMapper for Perturbed {
         &mut self,
         param: burn::module::Param<Tensor<D>>,
     ) -> burn::module::Param<Tensor<D>> {
-        let std = self.0;
+        let (std, seed) = (self.std, self.visited);
+        self.visited += 1;
         param.map(|tensor| {
-            let noise = Tensor::random(
-                tensor.shape(),
-                Distribution::Normal(0.0, std),
-                &tensor.device(),
-            );
+            let noise = fixed_normal(tensor.dims(), std, 1000 + seed, &tensor.device());
             (tensor.detach() + noise).detach().require_grad()
         })
     }
@@ -143,7 +179,7 @@ pub fn wgpu_autodiff() -> Device {
 
 /// The first layer's connections of `connectivity` made through the CubeCL connection-table
 /// kernels against the composed tensor ops, on its (wgpu) device: the view rows, residual rows
-/// and `β` it returns for random units of `shape` (entries `N(0, std²)`), and the gradients of
+/// and `β` it returns for units of `shape` (entries of deviation `std`, a fixed draw), and the gradients of
 /// the units and of every parameter (`parameters`, read from the gradients) for the loss
 /// `Σ_k ⟨probe_k, part_k⟩`; then the whole layer (block input, a block `tanh`, next units)
 /// with its mixes, values and gradients of a probe of the next units.
@@ -162,7 +198,7 @@ pub fn assert_table_kernels_match_composed<M: crate::multi_stream::MultiStream>(
         .into_iter()
         .next()
         .expect("a parameter");
-    let units = &Tensor::<3>::random(shape, Distribution::Normal(0.0, std), &device);
+    let units = &fixed_normal(shape, std, 7, &device);
     let layer = connectivity.mixing(0).expect("one block");
     let mixing = |units: &Tensor<3>, ops: &LayerOps| layer.mixing(units, ops);
     let run = |ops: LayerOps| -> Vec<TensorData> {
@@ -267,5 +303,38 @@ where
     match config.init(2, device) {
         Err(Error::OutOfRange { name, .. } | Error::NonFinite { name, .. }) => name,
         other => panic!("expected an error, got {other:?}"),
+    }
+}
+
+#[cfg(all(test, feature = "wgpu"))]
+mod tests {
+    use super::*;
+
+    /// The fixed draw has the asked deviation, about zero mean, and differs between seeds.
+    #[test]
+    fn fixed_normal_has_the_deviation_and_depends_on_the_seed() {
+        let device = Device::flex();
+        let values: Vec<f64> = fixed_normal([100, 100], 0.5, 3, &device)
+            .into_data()
+            .iter()
+            .collect();
+        let mean = values.iter().sum::<f64>() / values.len() as f64;
+        let variance = values.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / values.len() as f64;
+        assert!(mean.abs() < 0.02, "mean {mean}");
+        assert!(
+            (variance.sqrt() - 0.5).abs() < 0.02,
+            "deviation {}",
+            variance.sqrt()
+        );
+        let again: Vec<f64> = fixed_normal([100, 100], 0.5, 3, &device)
+            .into_data()
+            .iter()
+            .collect();
+        assert_eq!(values, again);
+        let other: Vec<f64> = fixed_normal([100, 100], 0.5, 4, &device)
+            .into_data()
+            .iter()
+            .collect();
+        assert_ne!(values, other);
     }
 }

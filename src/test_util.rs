@@ -179,10 +179,10 @@ pub fn wgpu_autodiff() -> Device {
 
 /// The first layer's connections of `connectivity` made through the CubeCL connection-table
 /// kernels against the composed tensor ops, on its (wgpu) device: the view rows, residual rows
-/// and `β` it returns for units of `shape` (entries of deviation `std`, a fixed draw), and the gradients of
-/// the units and of every parameter (`parameters`, read from the gradients) for the loss
-/// `Σ_k ⟨probe_k, part_k⟩`; then the whole layer (block input, a block `tanh`, next units)
-/// with its mixes, values and gradients of a probe of the next units.
+/// and `β` it returns for units of `shape` (entries of deviation `std`, a fixed draw), and the
+/// gradients of the units and of every parameter (`parameters`, read from the gradients) for
+/// the loss `Σ_k ⟨probe_k, part_k⟩`; then the whole layer (block input, a block `tanh`, next
+/// units) with its mixes, values and gradients of a probe of the next units.
 #[cfg(feature = "wgpu")]
 pub fn assert_table_kernels_match_composed<M: crate::multi_stream::MultiStream>(
     connectivity: &M,
@@ -266,7 +266,7 @@ pub fn assert_table_kernels_match_composed<M: crate::multi_stream::MultiStream>(
             .fold(1.0f32, |largest, value| largest.max(value.abs()));
         assert_eq!(kernel.shape(), composed.shape(), "{case}: result {index}");
         let tolerance = Tolerance::absolute(1e-4 * largest).set_relative(1e-3);
-        // The case and result named in the failure (its inputs are random draws).
+        // The failure names the case and the result, not just a position in a flat tensor.
         let compared = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             kernel.assert_approx_eq::<f32>(composed, tolerance);
         }));

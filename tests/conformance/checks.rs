@@ -79,16 +79,23 @@ pub const KNOWN_FILES: [(&str, Checker); 12] = [
     ("mudd.safetensors", check_mudd),
 ];
 
-/// Runs the checks of every known golden file present in `dir`.
+/// Runs the checks of every known golden file present in `dir`, handing each file's checks to
+/// `on_file` as soon as they are done (a run stopped by a time limit keeps what it printed).
 ///
 /// Returns the checks per file found; an error if none is found or a file is malformed.
-pub fn run_dir(dir: &Path, device: &Device) -> Result<Vec<(String, Vec<Check>)>, String> {
+pub fn run_dir(
+    dir: &Path,
+    device: &Device,
+    mut on_file: impl FnMut(&str, &[Check]),
+) -> Result<Vec<(String, Vec<Check>)>, String> {
     let mut results = Vec::new();
     for (file, checker) in KNOWN_FILES {
         let path = dir.join(file);
         if path.exists() {
             let golden = Golden::load(&path)?;
-            results.push((file.to_string(), checker(&golden, device)?));
+            let checks = checker(&golden, device)?;
+            on_file(file, &checks);
+            results.push((file.to_string(), checks));
         }
     }
     if results.is_empty() {

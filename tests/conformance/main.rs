@@ -7,9 +7,10 @@
 //! cargo test --release --features wgpu --test conformance -- --device wgpu [--dir DIR]
 //! ```
 //!
-//! Prints one line per check, `name max_abs_err tolerance PASS|FAIL`, then `N passed, M failed`,
-//! and exits with status 1 if any check fails (2 on a usage or file error). A test target with
-//! its own `main` (`harness = false`): libtest's own flags (`--nocapture`, filters) are ignored.
+//! Prints one line per check, `name max_abs_err tolerance PASS|FAIL` (a file's lines as soon as
+//! its checks are done), then `N passed, M failed`, and exits with status 1 if any check fails
+//! (2 on a usage or file error). A test target with its own `main` (`harness = false`): libtest's
+//! own flags (`--nocapture`, filters) are ignored.
 //! `BURN_CONNECTIVITY_SKIP_WGPU=1` leaves wgpu out of the default list.
 
 mod checks;
@@ -63,6 +64,7 @@ fn run() -> Result<bool, String> {
     if checks::run_dir(
         &flags.dir.join("nonexistent"),
         &burn::prelude::Device::flex(),
+        |_, _| {},
     )
     .is_ok()
     {
@@ -73,7 +75,14 @@ fn run() -> Result<bool, String> {
     for name in &flags.devices {
         let device = device(name).map_err(|err| err.to_string())?;
         println!("== {name}");
-        let results = checks::run_dir(&flags.dir, &device)?;
+        // Each file's lines as soon as its checks are done: on a GPU the first run of a check
+        // compiles its kernels, and a run cut off by a time limit keeps the files it finished.
+        let results = checks::run_dir(&flags.dir, &device, |_, checks| {
+            for check in checks {
+                println!("{name} {check}");
+            }
+            let _ = std::io::Write::flush(&mut std::io::stdout());
+        })?;
         let files: Vec<&str> = results.iter().map(|(file, _)| file.as_str()).collect();
         if files != known {
             return Err(format!(
@@ -85,11 +94,8 @@ fn run() -> Result<bool, String> {
             if checks.is_empty() {
                 return Err(format!("{file}: no checks"));
             }
-            for check in checks {
-                println!("{name} {check}");
-                total += 1;
-                failed += usize::from(!check.passed());
-            }
+            total += checks.len();
+            failed += checks.iter().filter(|check| !check.passed()).count();
         }
     }
     println!("{} passed, {failed} failed", total - failed);

@@ -8,7 +8,8 @@
 #   bash tools/gpu/measure.sh SECONDS [STAGE ...]
 #
 # SECONDS is the whole budget: each stage gets its own limit, cut to what is left, and a stage
-# that would start with under 5 s is skipped. Stages, in the default order (what the 2026-11-26
+# that would start with under 5 s is skipped. A stage written with a trailing & (`lm&`) runs
+# in the background beside the stages after it: only for stages that time nothing. Stages, in the default order (what the 2026-11-26
 # H200 lease taught: compiling and autotuning dominate, about 65 s for a forward pass of six
 # variants on CUDA, 105 s for their train step, over 170 s for every variant on Vulkan):
 #   peer            PyTorch's residual, lucidrains' HC and mHC, model workload (about 15 s)
@@ -102,12 +103,12 @@ lm_runs() {
     wait "${pids[@]}"
     for f in /tmp/lm/lm_*.log; do
         echo "## $(basename "$f" .log)"
-        grep -aE 'valid loss|error|rc=|panicked' "$f" | tail -3
+        grep -aE 'valid loss|error|rc=|panicked|/2000' "$f" | tail -4
     done >>"$OUT/lm.log"
 }
 
-for stage in "${STAGES[@]}"; do
-    case $stage in
+run_stage() {
+    case $1 in
     peer)
         step 40 python3 tools/peer/hyper_connections_peer.py --device cuda --workload model \
             --runs 7 --warmup 3 >>"$OUT/bench.jsonl" 2>>"$OUT/bench.log" ;;
@@ -130,7 +131,20 @@ for stage in "${STAGES[@]}"; do
     lm)
         lm_runs
         cat "$OUT/lm.log" ;;
-    *) echo "unknown stage $stage" ;;
+    *) echo "unknown stage $1" ;;
     esac
+}
+
+# A stage named with a trailing & runs beside the ones after it (for the stages that time
+# nothing: conformance, counts, lm); the script waits for all of them at the end.
+background=()
+for stage in "${STAGES[@]}"; do
+    if [[ $stage == *'&' ]]; then
+        run_stage "${stage%&}" &
+        background+=($!)
+    else
+        run_stage "$stage"
+    fi
 done
+((${#background[@]})) && wait "${background[@]}"
 echo "== done after $SECONDS s"

@@ -5,8 +5,10 @@
 //! The tools are binaries of this package (`cargo run --release -p burn-connectivity-tools --bin
 //! NAME`): `bench_connectivity`, `kernel_counts` (`--features wgpu`) and `reproduce`.
 
+use std::io::IsTerminal;
 use std::process::ExitCode;
-use std::time::Duration;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
 
 use burn::module::ParamGroup;
 use burn::nn::loss::CrossEntropyLossConfig;
@@ -15,7 +17,7 @@ use burn::optim::GradientsParams;
 use burn::prelude::*;
 use burn_connectivity::training::{GroupedAdamConfig, LrSchedule, connectivity_group};
 use burn_connectivity::{ConnectivityConfig, MlpBlock, MlpBlockConfig, Stack, StreamConnectivity};
-use indicatif::{ProgressBar, ProgressStyle};
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle, TermLike};
 
 pub mod lm;
 pub mod terminator;
@@ -133,6 +135,9 @@ impl DigitsArgs {
 /// A progress bar on standard error (hidden when it is not a terminal), `prefix` in front.
 pub fn progress(len: u64, prefix: impl Into<String>) -> ProgressBar {
     let bar = ProgressBar::new(len);
+    if !std::io::stderr().is_terminal() {
+        bar.set_draw_target(ProgressDrawTarget::term_like(Box::new(LineLog::default())));
+    }
     bar.set_style(
         ProgressStyle::with_template(
             "{prefix:>12} [{bar:30.cyan/blue}] {pos}/{len} {msg} ({elapsed}, eta {eta})",
@@ -143,6 +148,79 @@ pub fn progress(len: u64, prefix: impl Into<String>) -> ProgressBar {
     bar.set_prefix(prefix.into());
     bar.enable_steady_tick(Duration::from_millis(500));
     bar
+}
+
+/// How often a progress bar writes a line where standard error is not a terminal.
+const LOG_EVERY: Duration = Duration::from_secs(30);
+
+/// A progress bar's target where standard error is not a terminal (a log file, CI, a GPU
+/// machine's run): indicatif draws nothing there, so a long run's log would not show its pace.
+/// This writes the bar as one plain line at most every `every` ([`LOG_EVERY`]).
+#[derive(Debug)]
+struct LineLog {
+    every: Duration,
+    /// When the last line was written, and the line being drawn.
+    state: Mutex<(Instant, String)>,
+}
+
+impl Default for LineLog {
+    fn default() -> Self {
+        Self {
+            every: LOG_EVERY,
+            state: Mutex::new((Instant::now(), String::new())),
+        }
+    }
+}
+
+impl LineLog {
+    /// The drawn line, if one is due; starts the next.
+    fn take_line(&self) -> Option<String> {
+        let mut state = self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let (last, line) = &mut *state;
+        let due = last.elapsed() >= self.every && !line.trim().is_empty();
+        let taken = due.then(|| line.trim_end().to_string());
+        if due {
+            *last = Instant::now();
+        }
+        line.clear();
+        taken
+    }
+}
+
+impl TermLike for LineLog {
+    fn width(&self) -> u16 {
+        100
+    }
+    fn move_cursor_up(&self, _: usize) -> std::io::Result<()> {
+        Ok(())
+    }
+    fn move_cursor_down(&self, _: usize) -> std::io::Result<()> {
+        Ok(())
+    }
+    fn move_cursor_right(&self, _: usize) -> std::io::Result<()> {
+        Ok(())
+    }
+    fn move_cursor_left(&self, _: usize) -> std::io::Result<()> {
+        Ok(())
+    }
+    fn write_line(&self, line: &str) -> std::io::Result<()> {
+        self.write_str(line)
+    }
+    fn write_str(&self, text: &str) -> std::io::Result<()> {
+        let mut state = self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        state.1.push_str(text.trim_start_matches('\r'));
+        Ok(())
+    }
+    fn clear_line(&self) -> std::io::Result<()> {
+        Ok(())
+    }
+    /// indicatif flushes once per redraw: the line is complete here.
+    fn flush(&self) -> std::io::Result<()> {
+        if let Some(line) = self.take_line() {
+            eprintln!("{line}");
+        }
+        Ok(())
+    }
 }
 
 /// The UCI handwritten digits (8x8 images, pixels 0..16, labels 0..9; CC BY 4.0, see
@@ -450,4 +528,34 @@ pub fn recipe(
         .build(&ParamGroup::all())
         .map_err(|err| err.to_string())?;
     Ok(config)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A redraw as indicatif writes it (a carriage return, the bar, the filler up to the width)
+    /// becomes one plain line, written only once `every` has passed since the last.
+    #[test]
+    fn line_log_writes_a_redraw_as_one_line_when_due() {
+        let due = LineLog {
+            every: Duration::ZERO,
+            ..LineLog::default()
+        };
+        due.write_str("\r").unwrap();
+        due.write_str("    residual [==>  ] 3/10").unwrap();
+        due.write_str("      ").unwrap();
+        assert_eq!(due.take_line().as_deref(), Some("    residual [==>  ] 3/10"));
+        assert_eq!(due.take_line(), None, "nothing drawn since");
+
+        let not_due = LineLog::default();
+        not_due.write_str("residual 4/10").unwrap();
+        assert_eq!(not_due.take_line(), None, "within LOG_EVERY of its creation");
+        not_due.write_str("residual 5/10").unwrap();
+        let mut state = not_due.state.lock().unwrap();
+        assert_eq!(state.1, "residual 5/10", "the last redraw replaced the one not written");
+        state.0 -= LOG_EVERY;
+        drop(state);
+        assert_eq!(not_due.take_line().as_deref(), Some("residual 5/10"));
+    }
 }

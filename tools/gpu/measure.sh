@@ -115,9 +115,14 @@ run_stage() {
     cuda-train) bench 150 cuda train-step "$TARGETS" ;;
     cuda-forward) bench 100 cuda forward "$TARGETS" ;;
     cuda-profile)
-        step 120 "${RUN[@]}" CUBECL_DEBUG_OPTION=profile $BIN/bench_connectivity --device cuda \
-            --only model --runs 1 --warmup 2 --passes train-step --variants hc,mhc \
-            >>"$OUT/profile.log" 2>&1 ;;
+        # CubeCL logs each kernel's time ("| 1.2ms | name") and a summary per sync, but only to
+        # a sink a cubecl.toml in the working directory names (CUBECL_DEBUG_OPTION alone sets
+        # the level and no sink).
+        mkdir -p /tmp/profile
+        printf '[profiling.logger]\nlevel = "basic"\nstdout = true\n' >/tmp/profile/cubecl.toml
+        (cd /tmp/profile && step 120 "${RUN[@]}" "$OLDPWD/$BIN/bench_connectivity" \
+            --device cuda --only model --runs 1 --warmup 2 --passes train-step \
+            --variants hc,mhc) >>"$OUT/profile.log" 2>&1 ;;
     conformance)
         step 240 "${RUN[@]}" $BIN/conformance --dir tests/golden --device cuda \
             >>"$OUT/conformance.log" 2>&1

@@ -79,17 +79,30 @@ pub const KNOWN_FILES: [(&str, Checker); 12] = [
     ("mudd.safetensors", check_mudd),
 ];
 
-/// Runs the checks of every known golden file present in `dir`, handing each file's checks to
+/// Whether `file` (`NAME.safetensors`) is among `only`'s names (every file where `only` is
+/// empty).
+pub fn selected(file: &str, only: &[String]) -> bool {
+    only.is_empty()
+        || only
+            .iter()
+            .any(|name| file.strip_suffix(".safetensors") == Some(name))
+}
+
+/// Runs the checks of every known golden file present in `dir` (those named in `only`, if any), handing each file's checks to
 /// `on_file` as soon as they are done (a run stopped by a time limit keeps what it printed).
 ///
 /// Returns the checks per file found; an error if none is found or a file is malformed.
 pub fn run_dir(
     dir: &Path,
     device: &Device,
+    only: &[String],
     mut on_file: impl FnMut(&str, &[Check]),
 ) -> Result<Vec<(String, Vec<Check>)>, String> {
     let mut results = Vec::new();
-    for (file, checker) in KNOWN_FILES {
+    for (file, checker) in KNOWN_FILES
+        .into_iter()
+        .filter(|(file, _)| selected(file, only))
+    {
         let path = dir.join(file);
         if path.exists() {
             let golden = Golden::load(&path)?;

@@ -5,6 +5,7 @@
 //! cargo test --release --test conformance                        # Flex
 //! cargo test --release --features wgpu,ndarray --test conformance # Flex, NdArray and wgpu
 //! cargo test --release --features wgpu --test conformance -- --device wgpu [--dir DIR]
+//! cargo test --release --test conformance -- --only hc,mhc         # those golden files alone
 //! ```
 //!
 //! Prints one line per check, `name max_abs_err tolerance PASS|FAIL` (a file's lines as soon as
@@ -23,17 +24,21 @@ use burn_connectivity::device::{compiled_backends, device};
 struct Flags {
     dir: PathBuf,
     devices: Vec<String>,
+    /// The golden files to check, by name (`hc`, `mhc`, ...); all where empty.
+    only: Vec<String>,
 }
 
 fn parse(args: impl Iterator<Item = String>) -> Result<Flags, String> {
     let mut dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/golden");
     let mut devices = Vec::new();
+    let mut only = Vec::new();
     let mut args = args.peekable();
     while let Some(arg) = args.next() {
         let mut value = |flag: &str| args.next().ok_or_else(|| format!("{flag} needs a value"));
         match arg.as_str() {
             "--dir" => dir = PathBuf::from(value("--dir")?),
             "--device" => devices.extend(value("--device")?.split(',').map(str::to_string)),
+            "--only" => only.extend(value("--only")?.split(',').map(str::to_string)),
             _ => {} // libtest's flags and filters
         }
     }
@@ -45,7 +50,14 @@ fn parse(args: impl Iterator<Item = String>) -> Result<Flags, String> {
             .map(str::to_string)
             .collect();
     }
-    Ok(Flags { dir, devices })
+    let known = checks::KNOWN_FILES.map(|(file, _)| file.trim_end_matches(".safetensors"));
+    if let Some(unknown) = only.iter().find(|name| !known.contains(&name.as_str())) {
+        return Err(format!(
+            "--only {unknown}: no such golden file (known: {})",
+            known.join(", ")
+        ));
+    }
+    Ok(Flags { dir, devices, only })
 }
 
 pub fn main() -> ExitCode {
@@ -64,20 +76,25 @@ fn run() -> Result<bool, String> {
     if checks::run_dir(
         &flags.dir.join("nonexistent"),
         &burn::prelude::Device::flex(),
+        &[],
         |_, _| {},
     )
     .is_ok()
     {
         return Err("a missing golden directory was not reported".to_string());
     }
-    let known: Vec<&str> = checks::KNOWN_FILES.iter().map(|(file, _)| *file).collect();
+    let known: Vec<&str> = checks::KNOWN_FILES
+        .iter()
+        .map(|(file, _)| *file)
+        .filter(|file| checks::selected(file, &flags.only))
+        .collect();
     let (mut total, mut failed) = (0, 0);
     for name in &flags.devices {
         let device = device(name).map_err(|err| err.to_string())?;
         println!("== {name}");
         // Each file's lines as soon as its checks are done: on a GPU the first run of a check
         // compiles its kernels, and a run cut off by a time limit keeps the files it finished.
-        let results = checks::run_dir(&flags.dir, &device, |_, checks| {
+        let results = checks::run_dir(&flags.dir, &device, &flags.only, |_, checks| {
             for check in checks {
                 println!("{name} {check}");
             }

@@ -175,7 +175,10 @@ impl Default for LineLog {
 impl LineLog {
     /// The drawn line, if one is due; starts the next.
     fn take_line(&self) -> Option<String> {
-        let mut state = self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let mut state = self
+            .state
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
         let (last, line) = &mut *state;
         let due = last.elapsed() >= self.every && !line.trim().is_empty();
         let taken = due.then(|| line.trim_end().to_string());
@@ -207,7 +210,10 @@ impl TermLike for LineLog {
         self.write_str(line)
     }
     fn write_str(&self, text: &str) -> std::io::Result<()> {
-        let mut state = self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let mut state = self
+            .state
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
         state.1.push_str(text.trim_start_matches('\r'));
         Ok(())
     }
@@ -545,15 +551,25 @@ mod tests {
         due.write_str("\r").unwrap();
         due.write_str("    residual [==>  ] 3/10").unwrap();
         due.write_str("      ").unwrap();
-        assert_eq!(due.take_line().as_deref(), Some("    residual [==>  ] 3/10"));
+        assert_eq!(
+            due.take_line().as_deref(),
+            Some("    residual [==>  ] 3/10")
+        );
         assert_eq!(due.take_line(), None, "nothing drawn since");
 
         let not_due = LineLog::default();
         not_due.write_str("residual 4/10").unwrap();
-        assert_eq!(not_due.take_line(), None, "within LOG_EVERY of its creation");
+        assert_eq!(
+            not_due.take_line(),
+            None,
+            "within LOG_EVERY of its creation"
+        );
         not_due.write_str("residual 5/10").unwrap();
         let mut state = not_due.state.lock().unwrap();
-        assert_eq!(state.1, "residual 5/10", "the last redraw replaced the one not written");
+        assert_eq!(
+            state.1, "residual 5/10",
+            "the last redraw replaced the one not written"
+        );
         state.0 -= LOG_EVERY;
         drop(state);
         assert_eq!(not_due.take_line().as_deref(), Some("residual 5/10"));

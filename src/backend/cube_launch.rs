@@ -254,7 +254,28 @@ pub(crate) mod kernels {
         slope
     }
 
-    /// Row `row` of `rows [R, w]` times `weights [w, columns]` (any strides), then its sum of
+    /// Entry `[j, c]` of `weights [w, columns]`: at `j · columns + c` where they are contiguous,
+    /// else through their strides (a transposed view, `Fᵀ` of a stored `F`, read as it is).
+    #[cube]
+    #[allow(unused_assignments)] // the comptime branch overwrites the placeholder
+    pub(crate) fn weight_at<E: Float>(
+        weights: &Tensor<E>,
+        j: usize,
+        c: usize,
+        #[comptime] columns: usize,
+        #[comptime] contiguous: bool,
+    ) -> E {
+        let mut value = E::new(0.0);
+        if comptime!(contiguous) {
+            value = weights[j * columns + c];
+        } else {
+            value = weights[j * weights.stride(0) + c * weights.stride(1)];
+        }
+        value
+    }
+
+    /// Row `row` of `rows [R, w]` times `weights [w, columns]` (any strides: `contiguous` says
+    /// whether they are `[columns, 1]`), then its sum of
     /// squares, summed over the cube (`threads` units striding the row) into the first
     /// `columns + 1` entries of `shared` (`threads · (columns + 1)` entries).
     #[cube]
@@ -265,25 +286,28 @@ pub(crate) mod kernels {
         shared: &mut Shared<[E]>,
         #[comptime] columns: usize,
         #[comptime] threads: usize,
+        #[comptime] contiguous: bool,
     ) {
         let width = rows.shape(1);
         let unit = UNIT_POS as usize;
         let slots = comptime!(columns + 1);
+        // Unrolled: the partial sums stay in registers, the weights' loads independent.
         let mut partial = Array::<E>::new(slots);
+        #[unroll]
         for c in 0..slots {
             partial[c] = E::new(0.0);
         }
-        // Through the weights' strides: a transposed view (`Fᵀ` of a stored `F`) is read as it is.
-        let (down, across) = (weights.stride(0), weights.stride(1));
         let mut j = unit;
         while j < width {
             let x = rows[row * width + j];
+            #[unroll]
             for c in 0..columns {
-                partial[c] += x * weights[j * down + c * across];
+                partial[c] += x * weight_at::<E>(weights, j, c, columns, contiguous);
             }
             partial[columns] += x * x;
             j += threads;
         }
+        #[unroll]
         for c in 0..slots {
             shared[unit * slots + c] = partial[c];
         }

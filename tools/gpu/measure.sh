@@ -16,7 +16,9 @@
 #   cuda-train      the model workload's train step on CUDA, the targets' variants
 #   cuda-forward    its forward pass
 #   cuda-profile    per-kernel times of one HC and one mHC train step (CUBECL_DEBUG_OPTION=profile)
-#   conformance     the golden vectors on CUDA (prints at the end only)
+#   conformance     the golden vectors on CUDA (each file's checks as it finishes)
+#   conformance-tables  the same, HC, mHC, V4 and mHC-lite only
+#   tables-train    the train step of HC and mHC on CUDA
 #   vulkan-train    the train step on wgpu's Vulkan path (SPIR-V)
 #   counts          kernel counts on Vulkan, depth 12
 #   new-variants    the train step of the 2025-26 methods on CUDA
@@ -127,6 +129,12 @@ run_stage() {
         step 240 "${RUN[@]}" $BIN/conformance --dir tests/golden --device cuda \
             >>"$OUT/conformance.log" 2>&1
         grep -aE 'passed|FAIL' "$OUT/conformance.log" | tail -5 ;;
+    conformance-tables)
+        # The connection-table families alone (HC, mHC, V4, mHC-lite): a short lease's check.
+        step 150 "${RUN[@]}" $BIN/conformance --dir tests/golden --device cuda \
+            --only hc,mhc,mhc_v4,mhc_lite >>"$OUT/conformance.log" 2>&1
+        grep -aE 'passed|FAIL' "$OUT/conformance.log" | tail -20 ;;
+    tables-train) bench 150 cuda train-step hc,mhc ;;
     vulkan-train) bench 200 vulkan train-step "$TARGETS" ;;
     counts)
         step 90 "${RUN[@]}" $BIN/kernel_counts --device vulkan --depth 12 --variants "$TARGETS" \

@@ -241,6 +241,7 @@ impl ConnectionTableBackend for CubeBackend {
         let threads = threads_for(&rows, columns + 1, MOST_THREADS);
         let (launch_cubes, dim) = per_item(&rows, tokens, threads);
         let packed_scales = packed(&input_scale);
+        let contiguous_weights = weights.is_contiguous();
         normalised_forward_kernel::launch(
             &rows.client,
             launch_cubes,
@@ -258,6 +259,7 @@ impl ConnectionTableBackend for CubeBackend {
             iterations,
             packed_scales,
             threads,
+            contiguous_weights,
             kernel_constant(input_offset),
             kernel_constant(depth_factor),
             kernel_constant(sinkhorn_epsilon),
@@ -310,6 +312,7 @@ impl ConnectionTableBackend for CubeBackend {
         let packed_scales = packed(&input_scale);
         let scale_shapes =
             [&input_scale, &depth_scale, &residual_scale].map(|s| s.meta.shape().clone());
+        let contiguous_weights = weights.is_contiguous();
         normalised_backward_kernel::launch(
             &rows.client,
             launch_cubes,
@@ -332,6 +335,7 @@ impl ConnectionTableBackend for CubeBackend {
             iterations,
             packed_scales,
             threads,
+            contiguous_weights,
             with_previous_rows,
             input_views > 0,
             kernel_constant(input_offset),
@@ -379,6 +383,7 @@ mod kernels {
 
     use crate::backend::cube_launch::kernels::{
         constant, cube_total, row_projection, row_root, row_scale, row_slope, sum_over_cube,
+        weight_at,
     };
     use crate::backend::sinkhorn::cube::kernels::{sinkhorn_backward, sinkhorn_forward};
 
@@ -865,6 +870,7 @@ mod kernels {
         #[comptime] iterations: usize,
         #[comptime] packed_scales: bool,
         #[comptime] threads: usize,
+        #[comptime] contiguous_weights: bool,
         #[comptime] input_offset_bits: u32,
         #[comptime] depth_factor_bits: u32,
         #[comptime] epsilon_bits: u32,
@@ -879,7 +885,15 @@ mod kernels {
         }
         let columns = comptime!(2 * n + if mixtures > 0 { mixtures } else { n * n });
         let mut shared = Shared::<[E]>::new_slice(comptime!(threads * (columns + 1)));
-        row_projection::<E>(rows, weights, row, &mut shared, columns, threads);
+        row_projection::<E>(
+            rows,
+            weights,
+            row,
+            &mut shared,
+            columns,
+            threads,
+            contiguous_weights,
+        );
         if UNIT_POS == 0 {
             let root = row_root::<E>(shared[columns], root_offset_bits);
             let scale = row_scale::<E>(root, numerator_bits, offset_bits, 0u32);
@@ -953,6 +967,7 @@ mod kernels {
         #[comptime] iterations: usize,
         #[comptime] packed_scales: bool,
         #[comptime] threads: usize,
+        #[comptime] contiguous_weights: bool,
         #[comptime] with_previous_rows: bool,
         #[comptime] with_input: bool,
         #[comptime] input_offset_bits: u32,
@@ -973,7 +988,15 @@ mod kernels {
         let mut shared = Shared::<[E]>::new_slice(comptime!(threads * (columns + 1)));
         // δ (columns), then s'(n)/n · (xΦ · δ), then H_pre (n), for every unit.
         let mut steps = Shared::<[E]>::new_slice(comptime!(columns + 1 + n));
-        row_projection::<E>(rows, weights, row, &mut shared, columns, threads);
+        row_projection::<E>(
+            rows,
+            weights,
+            row,
+            &mut shared,
+            columns,
+            threads,
+            contiguous_weights,
+        );
         // The block input's part of the table's gradient, ⟨∂u, x_t[k]⟩ (see `with_input`).
         let mut inner = Shared::<[E]>::new_slice(comptime!(threads * n));
         if comptime!(with_input) {
@@ -1073,12 +1096,12 @@ mod kernels {
         }
         sync_cube();
         let along = steps[columns];
-        let (down, across) = (weights.stride(0), weights.stride(1));
         let mut j = unit;
         while j < width {
             let mut total = E::new(0.0);
+            #[unroll]
             for c in 0..columns {
-                total += weights[j * down + c * across] * steps[c];
+                total += weight_at::<E>(weights, j, c, columns, contiguous_weights) * steps[c];
             }
             let at = row * width + j;
             let mut value = scale * total + along * rows[at];

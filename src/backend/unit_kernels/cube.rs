@@ -403,7 +403,8 @@ mod kernels {
         }
         let unit = UNIT_POS as usize;
         let mut shared = Shared::<[E]>::new_slice(comptime!(threads * (columns + 1)));
-        row_projection::<E>(rows, weights, row, &mut shared, columns, threads);
+        // (the weights made contiguous by the launch)
+        row_projection::<E>(rows, weights, row, &mut shared, columns, threads, true);
         let root = row_root::<E>(shared[columns], root_offset_bits);
         let scale = row_scale::<E>(root, numerator_bits, offset_bits, floor_bits);
         let mut c = unit;
@@ -459,6 +460,7 @@ mod kernels {
         let mut j = unit;
         while j < width {
             let mut total = E::new(0.0);
+            #[unroll]
             for c in 0..columns {
                 total += weights[j * columns + c] * upstream[c];
             }

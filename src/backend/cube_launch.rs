@@ -275,9 +275,9 @@ pub(crate) mod kernels {
     }
 
     /// Row `row` of `rows [R, w]` times `weights [w, columns]` (any strides: `contiguous` says
-    /// whether they are `[columns, 1]`), then its sum of
-    /// squares, summed over the cube (`threads` units striding the row) into the first
-    /// `columns + 1` entries of `shared` (`threads · (columns + 1)` entries).
+    /// whether they are `[columns, 1]`), then its sum of squares, summed over the cube
+    /// (`threads` units striding the row) into the first `columns + 1` entries of `shared`
+    /// (`threads · (columns + 1)` entries).
     #[cube]
     pub(crate) fn row_projection<E: Float>(
         rows: &Tensor<E>,

@@ -88,8 +88,9 @@ pub fn selected(file: &str, only: &[String]) -> bool {
             .any(|name| file.strip_suffix(".safetensors") == Some(name))
 }
 
-/// Runs the checks of every known golden file present in `dir` (those named in `only`, if any), handing each file's checks to
-/// `on_file` as soon as they are done (a run stopped by a time limit keeps what it printed).
+/// Runs the checks of every known golden file present in `dir` (those named in `only`, if
+/// any), handing each file's checks to `on_file` as soon as they are done (a run stopped by a
+/// time limit keeps what it printed).
 ///
 /// Returns the checks per file found; an error if none is found or a file is malformed.
 pub fn run_dir(

@@ -132,7 +132,8 @@ impl DigitsArgs {
     }
 }
 
-/// A progress bar on standard error (hidden when it is not a terminal), `prefix` in front.
+/// A progress bar on standard error, `prefix` in front; where standard error is not a terminal,
+/// a plain line every [`LOG_EVERY`] instead ([`LineLog`]).
 pub fn progress(len: u64, prefix: impl Into<String>) -> ProgressBar {
     let bar = ProgressBar::new(len);
     if !std::io::stderr().is_terminal() {

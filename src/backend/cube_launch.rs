@@ -32,6 +32,71 @@ pub(crate) fn per_item(tensor: &CubeTensor, items: usize, threads: usize) -> (Cu
     (count, dim)
 }
 
+/// Shared memory a cube of the tiled row kernels may use (below the 32 kB every backend offers).
+const TILE_SHARED_BYTES: usize = 24 * 1024;
+
+/// Units that stride one row in the tiled row kernels.
+const ROW_GROUP: usize = 8;
+
+/// Units per cube of the tiled row kernels (at most).
+const MOST_TILE_THREADS: usize = 128;
+
+/// The launch of a kernel that projects several rows of `x [R, w]` per cube through a
+/// `[w, C]` weight matrix read in tiles: `threads` units, `group` of them per row, so
+/// `rows_per_cube = threads / group` rows share each tile of `threads` entries of `w`, held in
+/// shared memory `padded` (odd, so the units of a row group read it in distinct banks) apart.
+///
+/// Per row, the weights cost one pass over `w·C` values; a cube per row made every row stream
+/// the whole matrix again (24× the row's own bytes for mHC's `C = 24`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) struct RowTiles {
+    pub threads: usize,
+    pub group: usize,
+    pub rows_per_cube: usize,
+    pub padded: usize,
+    /// Entries of the shared buffer that holds the tile, then the per-unit sums.
+    pub shared: usize,
+}
+
+impl RowTiles {
+    /// The largest cube (a power of two, up to [`MOST_TILE_THREADS`]) whose tile, `slots`
+    /// partial sums per unit and `per_row` more entries per row fit the shared memory.
+    pub(crate) fn new(like: &CubeTensor, columns: usize, slots: usize, per_row: usize) -> Self {
+        let element = like.dtype.size().max(4);
+        let hardware = &like.client.properties().hardware;
+        let device_bytes = match hardware.max_shared_memory_size {
+            0 => TILE_SHARED_BYTES,
+            bytes => bytes,
+        };
+        let budget = TILE_SHARED_BYTES.min(device_bytes) / element;
+        let padded = columns | 1;
+        let most = MOST_TILE_THREADS
+            .min(hardware.max_units_per_cube as usize)
+            .max(1);
+        let mut threads = 1 << most.ilog2();
+        loop {
+            let group = ROW_GROUP.min(threads);
+            let rows_per_cube = threads / group;
+            let shared = (threads * padded).max(threads * slots);
+            if shared + rows_per_cube * per_row <= budget || threads == 1 {
+                return Self {
+                    threads,
+                    group,
+                    rows_per_cube,
+                    padded,
+                    shared,
+                };
+            }
+            threads /= 2;
+        }
+    }
+
+    /// The cubes for `rows` rows.
+    pub(crate) fn launch(&self, like: &CubeTensor, rows: usize) -> (CubeCount, CubeDim) {
+        per_item(like, rows.div_ceil(self.rows_per_cube), self.threads)
+    }
+}
+
 /// The most cubes of a grid-stride loop that writes one row of partial sums per cube (summed
 /// afterwards by [`column_sums`]).
 const MOST_CUBES: usize = 1024;
@@ -274,45 +339,145 @@ pub(crate) mod kernels {
         value
     }
 
-    /// Row `row` of `rows [R, w]` times `weights [w, columns]` (any strides: `contiguous` says
-    /// whether they are `[columns, 1]`), then its sum of squares, summed over the cube
-    /// (`threads` units striding the row) into the first `columns + 1` entries of `shared`
-    /// (`threads · (columns + 1)` entries).
+    /// Entries `start .. start + threads` of `weights [w, columns]` (any strides: `contiguous`
+    /// says whether they are `[columns, 1]`) into `tile`, `padded` apart, zero past `w`. The
+    /// units read consecutive addresses in either layout.
     #[cube]
-    pub(crate) fn row_projection<E: Float>(
-        rows: &Tensor<E>,
+    pub(crate) fn load_weight_tile<E: Float>(
         weights: &Tensor<E>,
-        row: usize,
-        shared: &mut Shared<[E]>,
+        start: usize,
+        tile: &mut Shared<[E]>,
         #[comptime] columns: usize,
         #[comptime] threads: usize,
+        #[comptime] padded: usize,
+        #[comptime] contiguous: bool,
+    ) {
+        let width = weights.shape(0);
+        let count = comptime!(threads * columns);
+        let mut index = UNIT_POS as usize;
+        while index < count {
+            let mut entry = index % threads;
+            let mut c = index / threads;
+            if comptime!(contiguous) {
+                entry = index / columns;
+                c = index % columns;
+            }
+            let j = start + entry;
+            let mut value = E::new(0.0);
+            if j < width {
+                value = weight_at::<E>(weights, j, c, columns, contiguous);
+            }
+            tile[entry * padded + c] = value;
+            index += threads;
+        }
+    }
+
+    /// For the cube's rows `first + r` of `rows [R, w]` (`r < threads / group`, `group`
+    /// consecutive units each): `x W` (`columns` entries, `W [w, columns]` read in tiles of
+    /// `threads` entries of `w`, see [`RowTiles`](super::RowTiles)), then `‖x‖²`, then for
+    /// `views > 0` the products `⟨x[k], other[r]⟩` of the row's `views` equal parts with the
+    /// row of `other [R, w / views]`. Row `r`'s `columns + 1 + views` totals end at
+    /// `shared[r · group · slots]` (the tile shares the buffer: `shared` entries of it).
+    #[cube]
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn tiled_projection<E: Float>(
+        rows: &Tensor<E>,
+        weights: &Tensor<E>,
+        other: &Tensor<E>,
+        first: usize,
+        shared: &mut Shared<[E]>,
+        #[comptime] columns: usize,
+        #[comptime] views: usize,
+        #[comptime] threads: usize,
+        #[comptime] group: usize,
+        #[comptime] padded: usize,
         #[comptime] contiguous: bool,
     ) {
         let width = rows.shape(1);
         let unit = UNIT_POS as usize;
-        let slots = comptime!(columns + 1);
-        // Unrolled: the partial sums stay in registers, the weights' loads independent.
+        let slots = comptime!(columns + 1 + views);
+        let in_group = unit % group;
+        let row = first + unit / group;
+        let live = row < rows.shape(0);
+        let view_width = width / comptime!(views.max(1));
+        // Unrolled: the partial sums stay in registers.
         let mut partial = Array::<E>::new(slots);
         #[unroll]
-        for c in 0..slots {
-            partial[c] = E::new(0.0);
+        for s in 0..slots {
+            partial[s] = E::new(0.0);
         }
-        let mut j = unit;
-        while j < width {
-            let x = rows[row * width + j];
-            #[unroll]
-            for c in 0..columns {
-                partial[c] += x * weight_at::<E>(weights, j, c, columns, contiguous);
+        let mut start = 0usize;
+        while start < width {
+            if comptime!(columns > 0) {
+                load_weight_tile::<E>(weights, start, shared, columns, threads, padded, contiguous);
             }
-            partial[columns] += x * x;
-            j += threads;
+            sync_cube();
+            if live {
+                let mut entry = in_group;
+                while entry < threads {
+                    let j = start + entry;
+                    if j < width {
+                        let x = rows[row * width + j];
+                        #[unroll]
+                        for c in 0..columns {
+                            partial[c] += x * shared[entry * padded + c];
+                        }
+                        partial[columns] += x * x;
+                        if comptime!(views > 0) {
+                            let view = j / view_width;
+                            let product = x * other[row * view_width + j % view_width];
+                            #[unroll]
+                            for k in 0..views {
+                                if view == k {
+                                    partial[comptime!(columns + 1) + k] += product;
+                                }
+                            }
+                        }
+                    }
+                    entry += group;
+                }
+            }
+            sync_cube();
+            start += threads;
         }
         #[unroll]
-        for c in 0..slots {
-            shared[unit * slots + c] = partial[c];
+        for s in 0..slots {
+            shared[unit * slots + s] = partial[s];
         }
         sync_cube();
-        sum_over_cube::<E>(shared, slots);
+        // Each (row, slot) total summed by one unit into its group's first entry, which only
+        // that unit reads.
+        let count = comptime!(threads / group * slots);
+        let mut index = unit;
+        while index < count {
+            let at = (index / slots) * comptime!(group * slots) + index % slots;
+            let mut total = shared[at];
+            #[unroll]
+            for g in 1..group {
+                total += shared[at + g * slots];
+            }
+            shared[at] = total;
+            index += threads;
+        }
+        sync_cube();
+    }
+
+
+    /// `Σ_c W[start + entry, c] · step[c]` from the tile [`load_weight_tile`] holds.
+    #[cube]
+    pub(crate) fn tile_dot<E: Float>(
+        tile: &Shared<[E]>,
+        entry: usize,
+        step: &Array<E>,
+        #[comptime] columns: usize,
+        #[comptime] padded: usize,
+    ) -> E {
+        let mut total = E::new(0.0);
+        #[unroll]
+        for c in 0..columns {
+            total += tile[entry * padded + c] * step[c];
+        }
+        total
     }
 
     /// Rows `chunk · k .. (chunk + 1) · k` (`k = chunk_rows`) and one unit per column `j` of

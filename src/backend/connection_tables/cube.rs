@@ -8,7 +8,7 @@ use burn_cubecl::kernel::into_contiguous;
 use cubecl::{CubeCount, CubeDim};
 
 use super::ConnectionTableBackend;
-use crate::backend::cube_launch::{empty, per_item, threads_for, weights_product};
+use crate::backend::cube_launch::{RowTiles, empty, per_item, threads_for, weights_product};
 use crate::backend::kernel_constant;
 use kernels::{
     gated_backward_kernel, gated_finish_kernel, gated_forward_kernel, normalised_backward_kernel,
@@ -238,8 +238,8 @@ impl ConnectionTableBackend for CubeBackend {
         let tokens = rows.meta.shape()[0];
         let columns = normalised_columns(streams, mixtures);
         let table = empty(&rows, Shape::new([tokens, streams + 2, streams]));
-        let threads = threads_for(&rows, columns + 1, MOST_THREADS);
-        let (launch_cubes, dim) = per_item(&rows, tokens, threads);
+        let tiles = RowTiles::new(&rows, columns, columns + 1, 0);
+        let (launch_cubes, dim) = tiles.launch(&rows, tokens);
         let packed_scales = packed(&input_scale);
         let contiguous_weights = weights.is_contiguous();
         normalised_forward_kernel::launch(
@@ -258,7 +258,7 @@ impl ConnectionTableBackend for CubeBackend {
             mixtures,
             iterations,
             packed_scales,
-            threads,
+            tiles,
             contiguous_weights,
             kernel_constant(input_offset),
             kernel_constant(depth_factor),
@@ -307,8 +307,8 @@ impl ConnectionTableBackend for CubeBackend {
         let grad_rows = empty(&rows, Shape::new([tokens, width]));
         let scaled_grad = empty(&rows, Shape::new([tokens, columns]));
         let partials = empty(&rows, Shape::new([tokens, columns + 3]));
-        let threads = threads_for(&rows, columns + 1, MOST_THREADS);
-        let (launch_cubes, dim) = per_item(&rows, tokens, threads);
+        let tiles = RowTiles::new(&rows, columns, columns + 1 + streams, columns + 2 + streams);
+        let (launch_cubes, dim) = tiles.launch(&rows, tokens);
         let packed_scales = packed(&input_scale);
         let scale_shapes =
             [&input_scale, &depth_scale, &residual_scale].map(|s| s.meta.shape().clone());
@@ -334,7 +334,7 @@ impl ConnectionTableBackend for CubeBackend {
             mixtures,
             iterations,
             packed_scales,
-            threads,
+            tiles,
             contiguous_weights,
             with_previous_rows,
             input_views > 0,
@@ -381,9 +381,10 @@ impl ConnectionTableBackend for CubeBackend {
 mod kernels {
     use cubecl::prelude::*;
 
+    use crate::backend::cube_launch::RowTiles;
     use crate::backend::cube_launch::kernels::{
-        constant, cube_total, row_projection, row_root, row_scale, row_slope, sum_over_cube,
-        weight_at,
+        constant, cube_total, load_weight_tile, row_root, row_scale, row_slope, sum_over_cube,
+        tile_dot, tiled_projection,
     };
     use crate::backend::sinkhorn::cube::kernels::{sinkhorn_backward, sinkhorn_forward};
 
@@ -540,37 +541,6 @@ mod kernels {
         }
         sync_cube();
         sum_over_cube::<E>(inner, views);
-    }
-
-    /// `⟨∂u[t], x_t[k]⟩` for each of the `n` units of a normalised row (the units flattened,
-    /// `C` wide each; one view), summed over the cube into the first `n` entries of `inner`.
-    #[cube]
-    fn unit_products<E: Float>(
-        rows: &Tensor<E>,
-        input_grad: &Tensor<E>,
-        row: usize,
-        width: usize,
-        inner: &mut Shared<[E]>,
-        #[comptime] n: usize,
-        #[comptime] threads: usize,
-    ) {
-        let unit = UNIT_POS as usize;
-        let unit_width = width / n;
-        let mut partial = Array::<E>::new(n);
-        for k in 0..n {
-            partial[k] = E::new(0.0);
-        }
-        let mut j = unit;
-        while j < width {
-            let k = j / unit_width;
-            partial[k] += rows[row * width + j] * input_grad[row * unit_width + j % unit_width];
-            j += threads;
-        }
-        for k in 0..n {
-            inner[unit * n + k] = partial[k];
-        }
-        sync_cube();
-        sum_over_cube::<E>(inner, n);
     }
 
     #[cube(launch)]
@@ -786,11 +756,12 @@ mod kernels {
         }
     }
 
-    /// `z = α_g · s · xΦ + c` (`columns` entries) from the summed projection in `shared`.
+    /// `z = α_g · s · xΦ + c` (`columns` entries) from the summed projection at `shared[at]`.
     #[cube]
     #[allow(clippy::too_many_arguments)]
     fn logits<E: Float>(
         shared: &Shared<[E]>,
+        at: usize,
         scale: E,
         input_scale: E,
         depth_scale: E,
@@ -807,7 +778,7 @@ mod kernels {
             } else if c < 2 * n {
                 factor = depth_scale;
             }
-            z[c] = factor * scale * shared[c] + bias[c];
+            z[c] = factor * scale * shared[at + c] + bias[c];
         }
         z
     }
@@ -854,6 +825,8 @@ mod kernels {
         }
     }
 
+    /// One cube per `threads / group` token rows (see [`RowTiles`]): their projections
+    /// through shared weight tiles, then one unit per row for the small per-row work.
     #[cube(launch)]
     #[allow(clippy::too_many_arguments)]
     pub(super) fn normalised_forward_kernel<E: Float>(
@@ -869,7 +842,7 @@ mod kernels {
         #[comptime] mixtures: usize,
         #[comptime] iterations: usize,
         #[comptime] packed_scales: bool,
-        #[comptime] threads: usize,
+        #[comptime] tiles: RowTiles,
         #[comptime] contiguous_weights: bool,
         #[comptime] input_offset_bits: u32,
         #[comptime] depth_factor_bits: u32,
@@ -879,26 +852,39 @@ mod kernels {
         #[comptime] root_offset_bits: u32,
         #[define(E)] _dtype: ElemType,
     ) {
-        let row = CUBE_POS;
-        if row >= rows.shape(0) {
+        let rows_per_cube = comptime!(tiles.rows_per_cube);
+        let threads = comptime!(tiles.threads);
+        let group = comptime!(tiles.group);
+        let padded = comptime!(tiles.padded);
+        let first = CUBE_POS * rows_per_cube;
+        if first >= rows.shape(0) {
             terminate!();
         }
         let columns = comptime!(2 * n + if mixtures > 0 { mixtures } else { n * n });
-        let mut shared = Shared::<[E]>::new_slice(comptime!(threads * (columns + 1)));
-        row_projection::<E>(
+        let slots = comptime!(columns + 1);
+        let mut shared = Shared::<[E]>::new_slice(comptime!(tiles.shared));
+        tiled_projection::<E>(
             rows,
             weights,
-            row,
+            rows,
+            first,
             &mut shared,
             columns,
+            0usize,
             threads,
+            group,
+            padded,
             contiguous_weights,
         );
-        if UNIT_POS == 0 {
-            let root = row_root::<E>(shared[columns], root_offset_bits);
+        let unit = UNIT_POS as usize;
+        let row = first + unit;
+        if unit < rows_per_cube && row < rows.shape(0) {
+            let at = unit * comptime!(group * slots);
+            let root = row_root::<E>(shared[at + columns], root_offset_bits);
             let scale = row_scale::<E>(root, numerator_bits, offset_bits, 0u32);
             let z = logits::<E>(
                 &shared,
+                at,
                 scale,
                 input_scale[0],
                 scale_entry::<E>(input_scale, depth_scale, 1usize, packed_scales),
@@ -946,6 +932,9 @@ mod kernels {
         }
     }
 
+    /// The forward's cubes (see [`normalised_forward_kernel`]): the projections again (with
+    /// the block input's products), one unit per row for `δ`, then `∂x` in a second pass over
+    /// the weight tiles.
     #[cube(launch)]
     #[allow(clippy::too_many_arguments)]
     pub(super) fn normalised_backward_kernel<E: Float>(
@@ -966,7 +955,7 @@ mod kernels {
         #[comptime] mixtures: usize,
         #[comptime] iterations: usize,
         #[comptime] packed_scales: bool,
-        #[comptime] threads: usize,
+        #[comptime] tiles: RowTiles,
         #[comptime] contiguous_weights: bool,
         #[comptime] with_previous_rows: bool,
         #[comptime] with_input: bool,
@@ -978,37 +967,49 @@ mod kernels {
         #[comptime] root_offset_bits: u32,
         #[define(E)] _dtype: ElemType,
     ) {
-        let row = CUBE_POS;
-        if row >= rows.shape(0) {
+        let tokens = rows.shape(0);
+        let rows_per_cube = comptime!(tiles.rows_per_cube);
+        let threads = comptime!(tiles.threads);
+        let group = comptime!(tiles.group);
+        let padded = comptime!(tiles.padded);
+        let first = CUBE_POS * rows_per_cube;
+        if first >= tokens {
             terminate!();
         }
         let width = rows.shape(1);
         let unit = UNIT_POS as usize;
         let columns = comptime!(2 * n + if mixtures > 0 { mixtures } else { n * n });
-        let mut shared = Shared::<[E]>::new_slice(comptime!(threads * (columns + 1)));
-        // δ (columns), then s'(n)/n · (xΦ · δ), then H_pre (n), for every unit.
-        let mut steps = Shared::<[E]>::new_slice(comptime!(columns + 1 + n));
-        row_projection::<E>(
+        // The block input's part of the table's gradient, ⟨∂u, x_t[k]⟩ (see `with_input`),
+        // after the projection and the sum of squares.
+        let views = comptime!(if with_input { n } else { 0 });
+        let slots = comptime!(columns + 1 + views);
+        // Per row: δ·α_g (columns), s'(n)/n · (xΦ · δ), H_pre + ε_in (n), s.
+        let per_row = comptime!(columns + 2 + n);
+        let mut shared = Shared::<[E]>::new_slice(comptime!(tiles.shared));
+        let mut steps = Shared::<[E]>::new_slice(comptime!(rows_per_cube * per_row));
+        tiled_projection::<E>(
             rows,
             weights,
-            row,
+            input_grad,
+            first,
             &mut shared,
             columns,
+            views,
             threads,
+            group,
+            padded,
             contiguous_weights,
         );
-        // The block input's part of the table's gradient, ⟨∂u, x_t[k]⟩ (see `with_input`).
-        let mut inner = Shared::<[E]>::new_slice(comptime!(threads * n));
-        if comptime!(with_input) {
-            unit_products::<E>(rows, input_grad, row, width, &mut inner, n, threads);
-        }
-        let root = row_root::<E>(shared[columns], root_offset_bits);
-        let scale = row_scale::<E>(root, numerator_bits, offset_bits, 0u32);
-        if unit == 0 {
+        let row = first + unit;
+        if unit < rows_per_cube && row < tokens {
+            let at = unit * comptime!(group * slots);
+            let step_at = unit * per_row;
+            let root = row_root::<E>(shared[at + columns], root_offset_bits);
+            let scale = row_scale::<E>(root, numerator_bits, offset_bits, 0u32);
             let a_in = input_scale[0];
             let a_depth = scale_entry::<E>(input_scale, depth_scale, 1usize, packed_scales);
             let a_res = scale_entry::<E>(input_scale, residual_scale, 2usize, packed_scales);
-            let z = logits::<E>(&shared, scale, a_in, a_depth, a_res, bias, n, columns);
+            let z = logits::<E>(&shared, at, scale, a_in, a_depth, a_res, bias, n, columns);
             let base = row * comptime!((n + 2) * n);
             let out = row * comptime!(columns + 3);
             let mut dz = Array::<E>::new(columns);
@@ -1016,8 +1017,9 @@ mod kernels {
                 let pre = sigmoid::<E>(z[k]);
                 let mut g = grad[base + k];
                 if comptime!(with_input) {
-                    g += inner[k];
-                    steps[columns + 1 + k] = pre + constant::<E>(input_offset_bits);
+                    g += shared[at + comptime!(columns + 1) + k];
+                    steps[step_at + comptime!(columns + 1) + k] =
+                        pre + constant::<E>(input_offset_bits);
                 }
                 dz[k] = g * pre * (E::new(1.0) - pre);
                 let post = sigmoid::<E>(z[n + k]);
@@ -1082,39 +1084,66 @@ mod kernels {
                     group = 1usize;
                     factor = a_depth;
                 }
-                sums[group] += dz[c] * scale * shared[c];
+                sums[group] += dz[c] * scale * shared[at + c];
                 partials[out + c] = dz[c];
                 let d = dz[c] * factor;
-                steps[c] = d;
+                steps[step_at + c] = d;
                 scaled_grad[row * columns + c] = d * scale;
-                along += shared[c] * d;
+                along += shared[at + c] * d;
             }
             for g in 0..3usize {
                 partials[out + columns + g] = sums[g];
             }
-            steps[columns] = along * row_slope::<E>(root, scale, offset_bits, 0u32);
+            steps[step_at + columns] = along * row_slope::<E>(root, scale, offset_bits, 0u32);
+            steps[step_at + comptime!(columns + 1 + n)] = scale;
         }
         sync_cube();
-        let along = steps[columns];
-        let mut j = unit;
-        while j < width {
-            let mut total = E::new(0.0);
-            #[unroll]
-            for c in 0..columns {
-                total += weight_at::<E>(weights, j, c, columns, contiguous_weights) * steps[c];
+        // ∂x_t = s Φ δ + s'(n)/n (xΦ · δ) x_t (+ the earlier gradient, + H_pre ∂u per unit).
+        let row = first + unit / group;
+        let step_at = (unit / group) * per_row;
+        let mut step = Array::<E>::new(columns);
+        #[unroll]
+        for c in 0..columns {
+            step[c] = steps[step_at + c];
+        }
+        let along = steps[step_at + columns];
+        let scale = steps[step_at + comptime!(columns + 1 + n)];
+        let unit_width = width / n;
+        let mut start = 0usize;
+        while start < width {
+            load_weight_tile::<E>(
+                weights,
+                start,
+                &mut shared,
+                columns,
+                threads,
+                padded,
+                contiguous_weights,
+            );
+            sync_cube();
+            if row < tokens {
+                let mut entry = unit % group;
+                while entry < threads {
+                    let j = start + entry;
+                    if j < width {
+                        let at = row * width + j;
+                        let mut value = scale
+                            * tile_dot::<E>(&shared, entry, &step, columns, padded)
+                            + along * rows[at];
+                        if comptime!(with_previous_rows) {
+                            value += previous_rows[at];
+                        }
+                        if comptime!(with_input) {
+                            value += steps[step_at + comptime!(columns + 1) + j / unit_width]
+                                * input_grad[row * unit_width + j % unit_width];
+                        }
+                        grad_rows[at] = value;
+                    }
+                    entry += group;
+                }
             }
-            let at = row * width + j;
-            let mut value = scale * total + along * rows[at];
-            if comptime!(with_previous_rows) {
-                value += previous_rows[at];
-            }
-            if comptime!(with_input) {
-                let unit_width = width / n;
-                value += steps[columns + 1 + j / unit_width]
-                    * input_grad[row * unit_width + j % unit_width];
-            }
-            grad_rows[at] = value;
-            j += threads;
+            sync_cube();
+            start += threads;
         }
     }
 

@@ -101,17 +101,20 @@ pub(crate) mod kernels {
         #[comptime] n: usize,
         epsilon: E,
     ) {
+        #[unroll]
         for i in 0..n {
             let mut largest = logits[i * n];
             for j in 1..n {
                 largest = largest.max(logits[i * n + j]);
             }
             let mut total = E::new(0.0);
+            #[unroll]
             for j in 0..n {
                 let value = (logits[i * n + j] - largest).exp();
                 matrix[i * n + j] = value;
                 total += value;
             }
+            #[unroll]
             for j in 0..n {
                 matrix[i * n + j] = matrix[i * n + j] / total + epsilon;
             }
@@ -122,16 +125,19 @@ pub(crate) mod kernels {
     #[cube]
     fn normalise_lines<E: Float>(
         matrix: &mut Array<E>,
-        outer: usize,
-        inner: usize,
+        #[comptime] outer: usize,
+        #[comptime] inner: usize,
         #[comptime] n: usize,
         epsilon: E,
     ) {
+        #[unroll]
         for a in 0..n {
             let mut total = epsilon;
+            #[unroll]
             for b in 0..n {
                 total += matrix[a * outer + b * inner];
             }
+            #[unroll]
             for b in 0..n {
                 matrix[a * outer + b * inner] /= total;
             }
@@ -147,13 +153,15 @@ pub(crate) mod kernels {
         across: &Array<E>,
         sums: &mut Array<E>,
         offset: usize,
-        outer: usize,
-        inner: usize,
+        #[comptime] outer: usize,
+        #[comptime] inner: usize,
         #[comptime] n: usize,
         epsilon: E,
     ) {
+        #[unroll]
         for a in 0..n {
             let mut total = epsilon;
+            #[unroll]
             for b in 0..n {
                 total += start[a * outer + b * inner] * line[a] * across[b];
             }
@@ -172,17 +180,20 @@ pub(crate) mod kernels {
         across: &Array<E>,
         sums: &Array<E>,
         offset: usize,
-        outer: usize,
-        inner: usize,
+        #[comptime] outer: usize,
+        #[comptime] inner: usize,
         #[comptime] n: usize,
     ) {
+        #[unroll]
         for a in 0..n {
             let mut dot = E::new(0.0);
+            #[unroll]
             for b in 0..n {
                 let at = a * outer + b * inner;
                 dot += upstream[at] * start[at] * line[a] * across[b];
             }
             let total = sums[offset + a];
+            #[unroll]
             for b in 0..n {
                 let at = a * outer + b * inner;
                 upstream[at] = (upstream[at] - dot) / total;
@@ -201,10 +212,10 @@ pub(crate) mod kernels {
         epsilon: E,
     ) {
         softmax_rows::<E>(logits, matrix, n, epsilon);
-        normalise_lines::<E>(matrix, 1, n, n, epsilon);
+        normalise_lines::<E>(matrix, 1usize, n, n, epsilon);
         for _ in 1..iterations {
-            normalise_lines::<E>(matrix, n, 1, n, epsilon);
-            normalise_lines::<E>(matrix, 1, n, n, epsilon);
+            normalise_lines::<E>(matrix, n, 1usize, n, epsilon);
+            normalise_lines::<E>(matrix, 1usize, n, n, epsilon);
         }
     }
 
@@ -258,6 +269,7 @@ pub(crate) mod kernels {
         // step's denominators; step k normalises columns when k is even, rows when it is odd.
         let mut row = Array::<E>::new(n);
         let mut column = Array::<E>::new(n);
+        #[unroll]
         for i in 0..n {
             row[i] = E::new(1.0);
             column[i] = E::new(1.0);
@@ -272,7 +284,7 @@ pub(crate) mod kernels {
                     &mut sums,
                     k * n,
                     n,
-                    1,
+                    1usize,
                     n,
                     epsilon,
                 );
@@ -283,7 +295,7 @@ pub(crate) mod kernels {
                     &row,
                     &mut sums,
                     k * n,
-                    1,
+                    1usize,
                     n,
                     n,
                     epsilon,
@@ -306,7 +318,7 @@ pub(crate) mod kernels {
                     &sums,
                     k * n,
                     n,
-                    1,
+                    1usize,
                     n,
                 );
             } else {
@@ -317,7 +329,7 @@ pub(crate) mod kernels {
                     &row,
                     &sums,
                     k * n,
-                    1,
+                    1usize,
                     n,
                     n,
                 );
@@ -325,11 +337,14 @@ pub(crate) mod kernels {
         }
 
         // Softmax backward, with S = start − ε.
+        #[unroll]
         for i in 0..n {
             let mut dot = E::new(0.0);
+            #[unroll]
             for j in 0..n {
                 dot += upstream[i * n + j] * (start[i * n + j] - epsilon);
             }
+            #[unroll]
             for j in 0..n {
                 output[i * n + j] = (start[i * n + j] - epsilon) * (upstream[i * n + j] - dot);
             }

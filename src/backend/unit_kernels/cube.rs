@@ -9,7 +9,7 @@ use burn_cubecl::kernel::into_contiguous;
 use cubecl::{CubeDim, calculate_cube_count_elemwise};
 
 use super::UnitKernelsBackend;
-use crate::backend::cube_launch::{Cube, empty, per_item, threads_for, weights_product};
+use crate::backend::cube_launch::{Cube, RowTiles, empty, per_item, threads_for, weights_product};
 use crate::backend::kernel_constant;
 use kernels::{
     mix_backward_kernel, mix_forward_kernel, projection_backward_kernel, projection_forward_kernel,
@@ -200,12 +200,12 @@ impl UnitKernelsBackend for CubeBackend {
         root_offset: f64,
     ) -> FloatTensor<Self> {
         let rows = into_contiguous(rows);
-        let weights = into_contiguous(weights);
         let [count, _] = rows.meta.shape().dims::<2>();
         let columns = weights.meta.shape()[1];
         let output = empty(&rows, Shape::new([count, columns]));
-        let threads = threads_for(&rows, columns + 1, MOST_THREADS);
-        let (cubes, dim) = per_item(&rows, count, threads);
+        let tiles = RowTiles::new(&rows, columns, columns + 1, 0);
+        let (cubes, dim) = tiles.launch(&rows, count);
+        let contiguous_weights = weights.is_contiguous();
         projection_forward_kernel::launch(
             &rows.client,
             cubes,
@@ -214,7 +214,8 @@ impl UnitKernelsBackend for CubeBackend {
             weights.into_tensor_arg(),
             output.clone().into_tensor_arg(),
             columns,
-            threads,
+            tiles,
+            contiguous_weights,
             kernel_constant(numerator),
             kernel_constant(offset),
             kernel_constant(floor),
@@ -235,15 +236,15 @@ impl UnitKernelsBackend for CubeBackend {
         root_offset: f64,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
         let rows = into_contiguous(rows);
-        let weights = into_contiguous(weights);
         let projection = into_contiguous(projection);
         let grad = into_contiguous(grad);
         let [count, width] = rows.meta.shape().dims::<2>();
         let columns = weights.meta.shape()[1];
         let grad_rows = empty(&rows, Shape::new([count, width]));
         let scaled_grad = empty(&rows, Shape::new([count, columns]));
-        let threads = threads_for(&rows, 1, MOST_THREADS);
-        let (cubes, dim) = per_item(&rows, count, threads);
+        let tiles = RowTiles::new(&rows, columns, 1, 0);
+        let (cubes, dim) = tiles.launch(&rows, count);
+        let contiguous_weights = weights.is_contiguous();
         projection_backward_kernel::launch(
             &rows.client,
             cubes,
@@ -255,7 +256,8 @@ impl UnitKernelsBackend for CubeBackend {
             grad_rows.clone().into_tensor_arg(),
             scaled_grad.clone().into_tensor_arg(),
             columns,
-            threads,
+            tiles,
+            contiguous_weights,
             kernel_constant(numerator),
             kernel_constant(offset),
             kernel_constant(floor),
@@ -380,40 +382,63 @@ impl UnitKernelsBackend for CubeBackend {
 mod kernels {
     use cubecl::prelude::*;
 
+    use crate::backend::cube_launch::RowTiles;
     use crate::backend::cube_launch::kernels::{
-        cube_total, row_projection, row_root, row_scale, row_slope, sum_over_cube,
+        load_weight_tile, row_root, row_scale, row_slope, sum_over_cube, tile_dot, tiled_projection,
     };
 
+    /// One cube per `threads / group` rows (see [`RowTiles`]): `s(‖x‖) · x W`.
     #[cube(launch)]
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn projection_forward_kernel<E: Float>(
         rows: &Tensor<E>,
         weights: &Tensor<E>,
         output: &mut Tensor<E>,
         #[comptime] columns: usize,
-        #[comptime] threads: usize,
+        #[comptime] tiles: RowTiles,
+        #[comptime] contiguous_weights: bool,
         #[comptime] numerator_bits: u32,
         #[comptime] offset_bits: u32,
         #[comptime] floor_bits: u32,
         #[comptime] root_offset_bits: u32,
         #[define(E)] _dtype: ElemType,
     ) {
-        let row = CUBE_POS;
-        if row >= rows.shape(0) {
+        let rows_per_cube = comptime!(tiles.rows_per_cube);
+        let group = comptime!(tiles.group);
+        let first = CUBE_POS * rows_per_cube;
+        if first >= rows.shape(0) {
             terminate!();
         }
         let unit = UNIT_POS as usize;
-        let mut shared = Shared::<[E]>::new_slice(comptime!(threads * (columns + 1)));
-        // (the weights made contiguous by the launch)
-        row_projection::<E>(rows, weights, row, &mut shared, columns, threads, true);
-        let root = row_root::<E>(shared[columns], root_offset_bits);
-        let scale = row_scale::<E>(root, numerator_bits, offset_bits, floor_bits);
-        let mut c = unit;
-        while c < columns {
-            output[row * columns + c] = shared[c] * scale;
-            c += threads;
+        let mut shared = Shared::<[E]>::new_slice(comptime!(tiles.shared));
+        tiled_projection::<E>(
+            rows,
+            weights,
+            rows,
+            first,
+            &mut shared,
+            columns,
+            0usize,
+            tiles.threads,
+            group,
+            tiles.padded,
+            contiguous_weights,
+        );
+        let row = first + unit / group;
+        if row < rows.shape(0) {
+            let at = (unit / group) * comptime!(group * (columns + 1));
+            let root = row_root::<E>(shared[at + columns], root_offset_bits);
+            let scale = row_scale::<E>(root, numerator_bits, offset_bits, floor_bits);
+            let mut c = unit % group;
+            while c < columns {
+                output[row * columns + c] = shared[at + c] * scale;
+                c += group;
+            }
         }
     }
 
+    /// The forward's cubes: `‖x‖²` per row, then `∂x = s W ∂P + s'(n)/n (x W · ∂P) x` in a
+    /// pass over the weight tiles, and `s ∂P` for the weights' product.
     #[cube(launch)]
     #[allow(clippy::too_many_arguments)]
     pub(super) fn projection_backward_kernel<E: Float>(
@@ -424,53 +449,92 @@ mod kernels {
         grad_rows: &mut Tensor<E>,
         scaled_grad: &mut Tensor<E>,
         #[comptime] columns: usize,
-        #[comptime] threads: usize,
+        #[comptime] tiles: RowTiles,
+        #[comptime] contiguous_weights: bool,
         #[comptime] numerator_bits: u32,
         #[comptime] offset_bits: u32,
         #[comptime] floor_bits: u32,
         #[comptime] root_offset_bits: u32,
         #[define(E)] _dtype: ElemType,
     ) {
-        let row = CUBE_POS;
-        if row >= rows.shape(0) {
+        let rows_per_cube = comptime!(tiles.rows_per_cube);
+        let threads = comptime!(tiles.threads);
+        let group = comptime!(tiles.group);
+        let padded = comptime!(tiles.padded);
+        let first = CUBE_POS * rows_per_cube;
+        if first >= rows.shape(0) {
             terminate!();
         }
         let width = rows.shape(1);
         let unit = UNIT_POS as usize;
-        let mut squares = E::new(0.0);
-        let mut j = unit;
-        while j < width {
-            let x = rows[row * width + j];
-            squares += x * x;
-            j += threads;
-        }
-        let mut shared = Shared::<[E]>::new_slice(threads);
-        let root = row_root::<E>(cube_total::<E>(squares, &mut shared), root_offset_bits);
+        let mut shared = Shared::<[E]>::new_slice(comptime!(tiles.shared));
+        // No columns: the rows' sums of squares alone.
+        tiled_projection::<E>(
+            rows,
+            weights,
+            rows,
+            first,
+            &mut shared,
+            0usize,
+            0usize,
+            threads,
+            group,
+            1usize,
+            true,
+        );
+        let row = first + unit / group;
+        let live = row < rows.shape(0);
+        let squares = shared[(unit / group) * group];
+        sync_cube();
+        let root = row_root::<E>(squares, root_offset_bits);
         let scale = row_scale::<E>(root, numerator_bits, offset_bits, floor_bits);
         let slope = row_slope::<E>(root, scale, offset_bits, floor_bits);
         // (x W · ∂P) with x W = P / s.
         let mut upstream = Array::<E>::new(columns);
         let mut dot = E::new(0.0);
-        for c in 0..columns {
-            let g = grad[row * columns + c];
-            upstream[c] = g;
-            dot += projection[row * columns + c] * g;
-        }
-        let along = slope * dot / scale;
-        let mut j = unit;
-        while j < width {
-            let mut total = E::new(0.0);
+        if live {
             #[unroll]
             for c in 0..columns {
-                total += weights[j * columns + c] * upstream[c];
+                let g = grad[row * columns + c];
+                upstream[c] = g;
+                dot += projection[row * columns + c] * g;
             }
-            grad_rows[row * width + j] = scale * total + along * rows[row * width + j];
-            j += threads;
         }
-        let mut c = unit;
-        while c < columns {
-            scaled_grad[row * columns + c] = upstream[c] * scale;
-            c += threads;
+        let along = slope * dot / scale;
+        let mut start = 0usize;
+        while start < width {
+            load_weight_tile::<E>(
+                weights,
+                start,
+                &mut shared,
+                columns,
+                threads,
+                padded,
+                contiguous_weights,
+            );
+            sync_cube();
+            if live {
+                let mut entry = unit % group;
+                while entry < threads {
+                    let j = start + entry;
+                    if j < width {
+                        let at = row * width + j;
+                        grad_rows[at] = scale
+                            * tile_dot::<E>(&shared, entry, &upstream, columns, padded)
+                            + along * rows[at];
+                    }
+                    entry += group;
+                }
+            }
+            sync_cube();
+            start += threads;
+        }
+        if live {
+            let mut c = unit % group;
+            while c < columns {
+                scaled_grad[row * columns + c] = upstream[c] * scale;
+                c += group;
+            }
         }
     }
 

@@ -406,6 +406,7 @@ pub(crate) mod kernels {
         for s in 0..slots {
             partial[s] = E::new(0.0);
         }
+        let steps = comptime!(threads / group);
         let mut start = 0usize;
         while start < width {
             if comptime!(columns > 0) {
@@ -413,17 +414,20 @@ pub(crate) mod kernels {
             }
             sync_cube();
             if live {
-                let mut entry = in_group;
-                while entry < threads {
-                    let j = start + entry;
-                    if j < width {
-                        let x = rows[row * width + j];
-                        #[unroll]
-                        for c in 0..columns {
-                            partial[c] += x * shared[entry * padded + c];
-                        }
-                        partial[columns] += x * x;
-                        if comptime!(views > 0) {
+                // The row's entries of the tile loaded together (their latencies overlap).
+                let xs = tile_entries::<E>(rows, row, start + in_group, steps, group);
+                #[unroll]
+                for s in 0..steps {
+                    let entry = in_group + s * group;
+                    let x = xs[s];
+                    #[unroll]
+                    for c in 0..columns {
+                        partial[c] += x * shared[entry * padded + c];
+                    }
+                    partial[columns] += x * x;
+                    if comptime!(views > 0) {
+                        let j = start + entry;
+                        if j < width {
                             let view = j / view_width;
                             let product = x * other[row * view_width + j % view_width];
                             #[unroll]
@@ -434,7 +438,6 @@ pub(crate) mod kernels {
                             }
                         }
                     }
-                    entry += group;
                 }
             }
             sync_cube();
@@ -462,6 +465,100 @@ pub(crate) mod kernels {
         sync_cube();
     }
 
+    /// Entries `first + s · stride` (`s < count`) of row `row` of `tensor [R, w]`, zero past
+    /// `w`: loads issued together, so that their latencies overlap.
+    #[cube]
+    pub(crate) fn tile_entries<E: Float>(
+        tensor: &Tensor<E>,
+        row: usize,
+        first: usize,
+        #[comptime] count: usize,
+        #[comptime] stride: usize,
+    ) -> Array<E> {
+        let width = tensor.shape(1);
+        let mut values = Array::<E>::new(count);
+        #[unroll]
+        for s in 0..count {
+            let j = first + s * stride;
+            let mut value = E::new(0.0);
+            if j < width {
+                value = tensor[row * width + j];
+            }
+            values[s] = value;
+        }
+        values
+    }
+
+    /// `∂x` of the cube's rows (as in [`tiled_projection`]) in one pass over the weight tiles:
+    /// `∂x[j] = scale · Σ_c W[j, c] step[c] + along · x[j]`, plus `previous[j]` with
+    /// `with_previous`, plus `gains[k] · other[row, j mod (w / views)]` on the row's part `k`
+    /// with `views > 0` (`step`, `scale`, `along` and `gains` the unit's row's).
+    #[cube]
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn tiled_row_gradient<E: Float>(
+        rows: &Tensor<E>,
+        weights: &Tensor<E>,
+        previous: &Tensor<E>,
+        other: &Tensor<E>,
+        grad_rows: &mut Tensor<E>,
+        first: usize,
+        shared: &mut Shared<[E]>,
+        step: &Array<E>,
+        scale: E,
+        along: E,
+        gains: &Array<E>,
+        #[comptime] columns: usize,
+        #[comptime] views: usize,
+        #[comptime] with_previous: bool,
+        #[comptime] threads: usize,
+        #[comptime] group: usize,
+        #[comptime] padded: usize,
+        #[comptime] contiguous: bool,
+    ) {
+        let width = rows.shape(1);
+        let unit = UNIT_POS as usize;
+        let in_group = unit % group;
+        let row = first + unit / group;
+        let live = row < rows.shape(0);
+        let view_width = width / comptime!(views.max(1));
+        let steps = comptime!(threads / group);
+        let mut start = 0usize;
+        while start < width {
+            load_weight_tile::<E>(weights, start, shared, columns, threads, padded, contiguous);
+            sync_cube();
+            if live {
+                let xs = tile_entries::<E>(rows, row, start + in_group, steps, group);
+                #[unroll]
+                for s in 0..steps {
+                    let entry = in_group + s * group;
+                    let j = start + entry;
+                    if j < width {
+                        let mut value = scale
+                            * tile_dot::<E>(&*shared, entry, step, columns, padded)
+                            + along * xs[s];
+                        let at = row * width + j;
+                        if comptime!(with_previous) {
+                            value += previous[at];
+                        }
+                        if comptime!(views > 0) {
+                            let view = j / view_width;
+                            let mut gain = E::new(0.0);
+                            #[unroll]
+                            for k in 0..views {
+                                if view == k {
+                                    gain = gains[k];
+                                }
+                            }
+                            value += gain * other[row * view_width + j % view_width];
+                        }
+                        grad_rows[at] = value;
+                    }
+                }
+            }
+            sync_cube();
+            start += threads;
+        }
+    }
 
     /// `Σ_c W[start + entry, c] · step[c]` from the tile [`load_weight_tile`] holds.
     #[cube]

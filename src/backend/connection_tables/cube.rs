@@ -383,8 +383,8 @@ mod kernels {
 
     use crate::backend::cube_launch::RowTiles;
     use crate::backend::cube_launch::kernels::{
-        constant, cube_total, load_weight_tile, row_root, row_scale, row_slope, sum_over_cube,
-        tile_dot, tiled_projection,
+        constant, cube_total, row_root, row_scale, row_slope, sum_over_cube, tiled_projection,
+        tiled_row_gradient,
     };
     use crate::backend::sinkhorn::cube::kernels::{sinkhorn_backward, sinkhorn_forward};
 
@@ -976,7 +976,6 @@ mod kernels {
         if first >= tokens {
             terminate!();
         }
-        let width = rows.shape(1);
         let unit = UNIT_POS as usize;
         let columns = comptime!(2 * n + if mixtures > 0 { mixtures } else { n * n });
         // The block input's part of the table's gradient, ⟨∂u, x_t[k]⟩ (see `with_input`),
@@ -1099,7 +1098,6 @@ mod kernels {
         }
         sync_cube();
         // ∂x_t = s Φ δ + s'(n)/n (xΦ · δ) x_t (+ the earlier gradient, + H_pre ∂u per unit).
-        let row = first + unit / group;
         let step_at = (unit / group) * per_row;
         let mut step = Array::<E>::new(columns);
         #[unroll]
@@ -1108,43 +1106,31 @@ mod kernels {
         }
         let along = steps[step_at + columns];
         let scale = steps[step_at + comptime!(columns + 1 + n)];
-        let unit_width = width / n;
-        let mut start = 0usize;
-        while start < width {
-            load_weight_tile::<E>(
-                weights,
-                start,
-                &mut shared,
-                columns,
-                threads,
-                padded,
-                contiguous_weights,
-            );
-            sync_cube();
-            if row < tokens {
-                let mut entry = unit % group;
-                while entry < threads {
-                    let j = start + entry;
-                    if j < width {
-                        let at = row * width + j;
-                        let mut value = scale
-                            * tile_dot::<E>(&shared, entry, &step, columns, padded)
-                            + along * rows[at];
-                        if comptime!(with_previous_rows) {
-                            value += previous_rows[at];
-                        }
-                        if comptime!(with_input) {
-                            value += steps[step_at + comptime!(columns + 1) + j / unit_width]
-                                * input_grad[row * unit_width + j % unit_width];
-                        }
-                        grad_rows[at] = value;
-                    }
-                    entry += group;
-                }
-            }
-            sync_cube();
-            start += threads;
+        let mut gains = Array::<E>::new(n);
+        #[unroll]
+        for k in 0..n {
+            gains[k] = steps[step_at + comptime!(columns + 1) + k];
         }
+        tiled_row_gradient::<E>(
+            rows,
+            weights,
+            previous_rows,
+            input_grad,
+            grad_rows,
+            first,
+            &mut shared,
+            &step,
+            scale,
+            along,
+            &gains,
+            columns,
+            views,
+            with_previous_rows,
+            threads,
+            group,
+            padded,
+            contiguous_weights,
+        );
     }
 
     /// One cube per column of `partials [T, columns + 3]`: its sum over the tokens, to `∂c`

@@ -384,7 +384,7 @@ mod kernels {
 
     use crate::backend::cube_launch::RowTiles;
     use crate::backend::cube_launch::kernels::{
-        load_weight_tile, row_root, row_scale, row_slope, sum_over_cube, tile_dot, tiled_projection,
+        row_root, row_scale, row_slope, sum_over_cube, tiled_projection, tiled_row_gradient,
     };
 
     /// One cube per `threads / group` rows (see [`RowTiles`]): `s(‖x‖) · x W`.
@@ -465,7 +465,6 @@ mod kernels {
         if first >= rows.shape(0) {
             terminate!();
         }
-        let width = rows.shape(1);
         let unit = UNIT_POS as usize;
         let mut shared = Shared::<[E]>::new_slice(comptime!(tiles.shared));
         // No columns: the rows' sums of squares alone.
@@ -501,34 +500,27 @@ mod kernels {
             }
         }
         let along = slope * dot / scale;
-        let mut start = 0usize;
-        while start < width {
-            load_weight_tile::<E>(
-                weights,
-                start,
-                &mut shared,
-                columns,
-                threads,
-                padded,
-                contiguous_weights,
-            );
-            sync_cube();
-            if live {
-                let mut entry = unit % group;
-                while entry < threads {
-                    let j = start + entry;
-                    if j < width {
-                        let at = row * width + j;
-                        grad_rows[at] = scale
-                            * tile_dot::<E>(&shared, entry, &upstream, columns, padded)
-                            + along * rows[at];
-                    }
-                    entry += group;
-                }
-            }
-            sync_cube();
-            start += threads;
-        }
+        let no_gains = Array::<E>::new(1usize);
+        tiled_row_gradient::<E>(
+            rows,
+            weights,
+            rows,
+            rows,
+            grad_rows,
+            first,
+            &mut shared,
+            &upstream,
+            scale,
+            along,
+            &no_gains,
+            columns,
+            0usize,
+            false,
+            threads,
+            group,
+            padded,
+            contiguous_weights,
+        );
         if live {
             let mut c = unit % group;
             while c < columns {

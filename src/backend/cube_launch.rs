@@ -406,7 +406,6 @@ pub(crate) mod kernels {
         for s in 0..slots {
             partial[s] = E::new(0.0);
         }
-        let steps = comptime!(threads / group);
         let mut start = 0usize;
         while start < width {
             if comptime!(columns > 0) {
@@ -414,20 +413,17 @@ pub(crate) mod kernels {
             }
             sync_cube();
             if live {
-                // The row's entries of the tile loaded together (their latencies overlap).
-                let xs = tile_entries::<E>(rows, row, start + in_group, steps, group);
-                #[unroll]
-                for s in 0..steps {
-                    let entry = in_group + s * group;
-                    let x = xs[s];
-                    #[unroll]
-                    for c in 0..columns {
-                        partial[c] += x * shared[entry * padded + c];
-                    }
-                    partial[columns] += x * x;
-                    if comptime!(views > 0) {
-                        let j = start + entry;
-                        if j < width {
+                let mut entry = in_group;
+                while entry < threads {
+                    let j = start + entry;
+                    if j < width {
+                        let x = rows[row * width + j];
+                        #[unroll]
+                        for c in 0..columns {
+                            partial[c] += x * shared[entry * padded + c];
+                        }
+                        partial[columns] += x * x;
+                        if comptime!(views > 0) {
                             let view = j / view_width;
                             let product = x * other[row * view_width + j % view_width];
                             #[unroll]
@@ -438,6 +434,7 @@ pub(crate) mod kernels {
                             }
                         }
                     }
+                    entry += group;
                 }
             }
             sync_cube();
@@ -463,30 +460,6 @@ pub(crate) mod kernels {
             index += threads;
         }
         sync_cube();
-    }
-
-    /// Entries `first + s · stride` (`s < count`) of row `row` of `tensor [R, w]`, zero past
-    /// `w`: loads issued together, so that their latencies overlap.
-    #[cube]
-    pub(crate) fn tile_entries<E: Float>(
-        tensor: &Tensor<E>,
-        row: usize,
-        first: usize,
-        #[comptime] count: usize,
-        #[comptime] stride: usize,
-    ) -> Array<E> {
-        let width = tensor.shape(1);
-        let mut values = Array::<E>::new(count);
-        #[unroll]
-        for s in 0..count {
-            let j = first + s * stride;
-            let mut value = E::new(0.0);
-            if j < width {
-                value = tensor[row * width + j];
-            }
-            values[s] = value;
-        }
-        values
     }
 
     /// `∂x` of the cube's rows (as in [`tiled_projection`]) in one pass over the weight tiles:
@@ -521,22 +494,19 @@ pub(crate) mod kernels {
         let row = first + unit / group;
         let live = row < rows.shape(0);
         let view_width = width / comptime!(views.max(1));
-        let steps = comptime!(threads / group);
         let mut start = 0usize;
         while start < width {
             load_weight_tile::<E>(weights, start, shared, columns, threads, padded, contiguous);
             sync_cube();
             if live {
-                let xs = tile_entries::<E>(rows, row, start + in_group, steps, group);
-                #[unroll]
-                for s in 0..steps {
-                    let entry = in_group + s * group;
+                let mut entry = in_group;
+                while entry < threads {
                     let j = start + entry;
                     if j < width {
+                        let at = row * width + j;
                         let mut value = scale
                             * tile_dot::<E>(&*shared, entry, step, columns, padded)
-                            + along * xs[s];
-                        let at = row * width + j;
+                            + along * rows[at];
                         if comptime!(with_previous) {
                             value += previous[at];
                         }
@@ -553,6 +523,7 @@ pub(crate) mod kernels {
                         }
                         grad_rows[at] = value;
                     }
+                    entry += group;
                 }
             }
             sync_cube();

@@ -19,6 +19,7 @@
 #   conformance     the golden vectors on CUDA (each file's checks as it finishes)
 #   conformance-tables  the same, HC, mHC, V4 and mHC-lite only
 #   tables-train    the train step of HC and mHC on CUDA
+#   new-tables      the train step of V4 and mHC-lite on CUDA (their connection tables)
 #   vulkan-train    the train step on wgpu's Vulkan path (SPIR-V)
 #   counts          kernel counts on Vulkan, depth 12
 #   new-variants    the train step of the 2025-26 methods on CUDA
@@ -135,6 +136,7 @@ run_stage() {
             --only hc,mhc,mhc_v4,mhc_lite >>"$OUT/conformance.log" 2>&1
         grep -aE 'passed|FAIL' "$OUT/conformance.log" | tail -20 ;;
     tables-train) bench 150 cuda train-step hc,mhc ;;
+    new-tables) bench 150 cuda train-step mhc_v4,mhc_lite ;;
     vulkan-train) bench 200 vulkan train-step "$TARGETS" ;;
     counts)
         step 90 "${RUN[@]}" $BIN/kernel_counts --device vulkan --depth 12 --variants "$TARGETS" \

@@ -7,10 +7,13 @@
 //! Composed from tensor ops, the table costs a kernel or more per step of its equations forward
 //! (norm, product, activations, scales, the static part, the Sinkhorn-Knopp, the layout), and
 //! more backward (each broadcast parameter's gradient is a reduction of its own, each slice a
-//! zero fill and a copy). Here it is one kernel forward, one cube per projected row; backward,
-//! one kernel per row recomputes the projection and takes every step back, one matrix product
-//! makes the projection weights' gradient, and one kernel sums the small parameters' gradients
-//! over the tokens, one cube each.
+//! zero fill and a copy). Here it is one kernel forward; backward, one kernel recomputes the
+//! projection and takes every step back, two make the projection weights' gradient, and one sums
+//! the small parameters' gradients over the tokens, one cube each. The gated form's kernels take
+//! one projected row per cube; the normalised form's take several token rows per cube through
+//! tiles of `Φ` in shared memory (`cube_launch::RowTiles`: each row would otherwise stream the
+//! whole `Φ`, 24 times its own bytes at `n = 4`), one unit per row for the logits and
+//! Sinkhorn-Knopp.
 //!
 //! Two forms, with their constants passed in. The row scale is `s(n) = a / max(√(n² + c) + b, f)`
 //! of the row norm `n = ‖x_r‖₂` (as in the normalised projection; `c = 0` in the gated form).

@@ -5,9 +5,9 @@
 //! `s(n) = a / max(n + b, f)` of the row norm `n_r = ‖x_r‖₂`, the normalised projection:
 //!
 //! ```text
-//! P_r  = s(n_r) · x_r W                                   one kernel, one cube per row
-//! ∂x_r = s(n_r) W ∂P_rᵀ + s'(n_r) / n_r · (x_r W · ∂P_r) x_r   one kernel, one cube per row
-//! ∂W   = xᵀ (s ⊙ ∂P)                                      one matrix product
+//! P_r  = s(n_r) · x_r W                                   one kernel, rows in tiles
+//! ∂x_r = s(n_r) W ∂P_rᵀ + s'(n_r) / n_r · (x_r W · ∂P_r) x_r   one kernel, rows in tiles
+//! ∂W   = xᵀ (s ⊙ ∂P)                                      two kernels (the product, its sum)
 //! ```
 //!
 //! and per token `t`, with `R` output rows, `U` units of width `w` and `V` views of the branch,
@@ -29,8 +29,10 @@
 //! `∂S` for the table's backward, instead of autodiff adding full-size tensors. Composed from tensor ops,
 //! the fusion engine merges the mixing's forward into one kernel but not its backward, whose
 //! `R · U` inner products and `U` accumulations are kernels of their own, nor the projection's
-//! norm, product and scale. A cube's units stride along `w` and sum their partial inner products
-//! in shared memory, so every row is read once, coalesced.
+//! norm, product and scale. In the projection's kernels a cube takes several rows, eight units
+//! striding each along `w`, and reads `W` in tiles through shared memory that all its rows share
+//! (`cube_launch::RowTiles`), so every row is read once, coalesced, and `W` once per cube; the
+//! mixing's backward sums its units' partial inner products in shared memory.
 //!
 //! Which units the kernels take is decided once per forward pass ([`supports`]): at most
 //! [`MAX_UNITS`] units per token, float tensors on a CubeCL device; other passes compose.

@@ -216,6 +216,8 @@ pub(crate) type Cube = CubeBackend;
 pub(crate) mod kernels {
     use cubecl::prelude::*;
 
+    use super::RowTiles;
+
     /// Sums `slots` values per unit over the cube, in `shared` (`slots` per unit, unit-major);
     /// the totals end in the first `slots` entries. The cube's size is a power of two.
     #[cube]
@@ -388,11 +390,12 @@ pub(crate) mod kernels {
         shared: &mut Shared<[E]>,
         #[comptime] columns: usize,
         #[comptime] views: usize,
-        #[comptime] threads: usize,
-        #[comptime] group: usize,
-        #[comptime] padded: usize,
+        #[comptime] tiles: RowTiles,
         #[comptime] contiguous: bool,
     ) {
+        let threads = comptime!(tiles.threads);
+        let group = comptime!(tiles.group);
+        let padded = comptime!(tiles.padded);
         let width = rows.shape(1);
         let unit = UNIT_POS as usize;
         let slots = comptime!(columns + 1 + views);
@@ -483,11 +486,12 @@ pub(crate) mod kernels {
         #[comptime] columns: usize,
         #[comptime] views: usize,
         #[comptime] with_previous: bool,
-        #[comptime] threads: usize,
-        #[comptime] group: usize,
-        #[comptime] padded: usize,
+        #[comptime] tiles: RowTiles,
         #[comptime] contiguous: bool,
     ) {
+        let threads = comptime!(tiles.threads);
+        let group = comptime!(tiles.group);
+        let padded = comptime!(tiles.padded);
         let width = rows.shape(1);
         let unit = UNIT_POS as usize;
         let in_group = unit % group;

@@ -853,9 +853,7 @@ mod kernels {
         #[define(E)] _dtype: ElemType,
     ) {
         let rows_per_cube = comptime!(tiles.rows_per_cube);
-        let threads = comptime!(tiles.threads);
         let group = comptime!(tiles.group);
-        let padded = comptime!(tiles.padded);
         let first = CUBE_POS * rows_per_cube;
         if first >= rows.shape(0) {
             terminate!();
@@ -871,9 +869,7 @@ mod kernels {
             &mut shared,
             columns,
             0usize,
-            threads,
-            group,
-            padded,
+            tiles,
             contiguous_weights,
         );
         let unit = UNIT_POS as usize;
@@ -969,9 +965,7 @@ mod kernels {
     ) {
         let tokens = rows.shape(0);
         let rows_per_cube = comptime!(tiles.rows_per_cube);
-        let threads = comptime!(tiles.threads);
         let group = comptime!(tiles.group);
-        let padded = comptime!(tiles.padded);
         let first = CUBE_POS * rows_per_cube;
         if first >= tokens {
             terminate!();
@@ -994,9 +988,7 @@ mod kernels {
             &mut shared,
             columns,
             views,
-            threads,
-            group,
-            padded,
+            tiles,
             contiguous_weights,
         );
         let row = first + unit;
@@ -1126,9 +1118,7 @@ mod kernels {
             columns,
             views,
             with_previous_rows,
-            threads,
-            group,
-            padded,
+            tiles,
             contiguous_weights,
         );
     }

@@ -419,9 +419,7 @@ mod kernels {
             &mut shared,
             columns,
             0usize,
-            tiles.threads,
-            group,
-            tiles.padded,
+            tiles,
             contiguous_weights,
         );
         let row = first + unit / group;
@@ -458,9 +456,7 @@ mod kernels {
         #[define(E)] _dtype: ElemType,
     ) {
         let rows_per_cube = comptime!(tiles.rows_per_cube);
-        let threads = comptime!(tiles.threads);
         let group = comptime!(tiles.group);
-        let padded = comptime!(tiles.padded);
         let first = CUBE_POS * rows_per_cube;
         if first >= rows.shape(0) {
             terminate!();
@@ -476,9 +472,7 @@ mod kernels {
             &mut shared,
             0usize,
             0usize,
-            threads,
-            group,
-            1usize,
+            tiles,
             true,
         );
         let row = first + unit / group;
@@ -516,9 +510,7 @@ mod kernels {
             columns,
             0usize,
             false,
-            threads,
-            group,
-            padded,
+            tiles,
             contiguous_weights,
         );
         if live {

@@ -52,7 +52,6 @@ const MOST_TILE_THREADS: usize = 128;
 pub(crate) struct RowTiles {
     pub threads: usize,
     pub group: usize,
-    pub rows_per_cube: usize,
     pub padded: usize,
     /// Entries of the shared buffer that holds the tile, then the per-unit sums.
     pub shared: usize,
@@ -75,25 +74,27 @@ impl RowTiles {
             .max(1);
         let mut threads = 1 << most.ilog2();
         loop {
-            let group = ROW_GROUP.min(threads);
-            let rows_per_cube = threads / group;
-            let shared = (threads * padded).max(threads * slots);
-            if shared + rows_per_cube * per_row <= budget || threads == 1 {
-                return Self {
-                    threads,
-                    group,
-                    rows_per_cube,
-                    padded,
-                    shared,
-                };
+            let tiles = Self {
+                threads,
+                group: ROW_GROUP.min(threads),
+                padded,
+                shared: (threads * padded).max(threads * slots),
+            };
+            if tiles.shared + tiles.rows_per_cube() * per_row <= budget || threads == 1 {
+                return tiles;
             }
             threads /= 2;
         }
     }
 
+    /// Rows per cube: `threads / group`.
+    pub(crate) fn rows_per_cube(&self) -> usize {
+        self.threads / self.group
+    }
+
     /// The cubes for `rows` rows.
     pub(crate) fn launch(&self, like: &CubeTensor, rows: usize) -> (CubeCount, CubeDim) {
-        per_item(like, rows.div_ceil(self.rows_per_cube), self.threads)
+        per_item(like, rows.div_ceil(self.rows_per_cube()), self.threads)
     }
 }
 

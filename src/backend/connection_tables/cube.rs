@@ -852,7 +852,7 @@ mod kernels {
         #[comptime] root_offset_bits: u32,
         #[define(E)] _dtype: ElemType,
     ) {
-        let rows_per_cube = comptime!(tiles.rows_per_cube);
+        let rows_per_cube = comptime!(tiles.rows_per_cube());
         let group = comptime!(tiles.group);
         let first = CUBE_POS * rows_per_cube;
         if first >= rows.shape(0) {
@@ -964,7 +964,7 @@ mod kernels {
         #[define(E)] _dtype: ElemType,
     ) {
         let tokens = rows.shape(0);
-        let rows_per_cube = comptime!(tiles.rows_per_cube);
+        let rows_per_cube = comptime!(tiles.rows_per_cube());
         let group = comptime!(tiles.group);
         let first = CUBE_POS * rows_per_cube;
         if first >= tokens {
@@ -1066,16 +1066,17 @@ mod kernels {
             }
             let mut along = E::new(0.0);
             for c in 0..columns {
-                let mut group = 2usize;
+                // Which of the three scales α_g multiplies column c.
+                let mut scalar = 2usize;
                 let mut factor = a_res;
                 if c < n {
-                    group = 0usize;
+                    scalar = 0usize;
                     factor = a_in;
                 } else if c < 2 * n {
-                    group = 1usize;
+                    scalar = 1usize;
                     factor = a_depth;
                 }
-                sums[group] += dz[c] * scale * shared[at + c];
+                sums[scalar] += dz[c] * scale * shared[at + c];
                 partials[out + c] = dz[c];
                 let d = dz[c] * factor;
                 steps[step_at + c] = d;

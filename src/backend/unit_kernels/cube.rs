@@ -403,7 +403,7 @@ mod kernels {
         #[comptime] root_offset_bits: u32,
         #[define(E)] _dtype: ElemType,
     ) {
-        let rows_per_cube = comptime!(tiles.rows_per_cube);
+        let rows_per_cube = comptime!(tiles.rows_per_cube());
         let group = comptime!(tiles.group);
         let first = CUBE_POS * rows_per_cube;
         if first >= rows.shape(0) {
@@ -455,7 +455,7 @@ mod kernels {
         #[comptime] root_offset_bits: u32,
         #[define(E)] _dtype: ElemType,
     ) {
-        let rows_per_cube = comptime!(tiles.rows_per_cube);
+        let rows_per_cube = comptime!(tiles.rows_per_cube());
         let group = comptime!(tiles.group);
         let first = CUBE_POS * rows_per_cube;
         if first >= rows.shape(0) {

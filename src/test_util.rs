@@ -113,7 +113,6 @@ pub fn input_gradient(x: &Tensor<3>, grads: &burn::tensor::Gradients) -> Vec<f64
 /// Entries of standard deviation `std` drawn from a fixed sequence (a linear congruential
 /// generator from `seed`, then Box–Muller): the same draw in every run, so that a comparison
 /// of two paths that fails on it fails again.
-#[cfg(feature = "wgpu")]
 pub fn fixed_normal<const D: usize>(
     shape: [usize; D],
     std: f64,
@@ -136,6 +135,50 @@ pub fn fixed_normal<const D: usize>(
         })
         .collect();
     Tensor::from_data(TensorData::new(values, shape), device)
+}
+
+/// `num_blocks` tanh blocks of width [`WIDTH`] whose weights and biases are fixed draws
+/// ([`fixed_normal`] of deviation `1/√WIDTH`, the scale of Burn's initialisation): the same
+/// blocks in every run, so that a comparison that fails on them fails again.
+pub fn fixed_blocks(num_blocks: usize, device: &Device) -> Vec<TanhBlock> {
+    use burn::module::Module;
+    struct Redrawn(u64);
+    impl burn::module::ModuleMapper for Redrawn {
+        fn map_float<const D: usize>(
+            &mut self,
+            param: burn::module::Param<Tensor<D>>,
+        ) -> burn::module::Param<Tensor<D>> {
+            self.0 += 1;
+            let (std, seed) = (1.0 / (WIDTH as f64).sqrt(), self.0);
+            param.map(|tensor| fixed_normal(tensor.dims(), std, seed, &tensor.device()))
+        }
+    }
+    let mut redrawn = Redrawn(2000);
+    blocks(num_blocks, device)
+        .into_iter()
+        .map(|block| block.map(&mut redrawn))
+        .collect()
+}
+
+/// Each vector of `actual` against the same one of `expected`, entry by entry, up to
+/// `relative · (1 + max |expected|)`. Two f32 paths that sum in another order differ by a
+/// fraction of the vector's scale: an entry that cancels to near zero (a gradient summed over
+/// many terms) keeps the rounding of its terms, not a fraction of its own size.
+#[cfg(feature = "wgpu")]
+pub fn assert_close_in_scale(actual: &[Vec<f64>], expected: &[Vec<f64>], relative: f64) {
+    assert_eq!(actual.len(), expected.len());
+    for (index, (actual, expected)) in actual.iter().zip(expected).enumerate() {
+        assert_eq!(actual.len(), expected.len(), "vector {index}");
+        let scale = expected
+            .iter()
+            .fold(0.0f64, |largest, b| largest.max(b.abs()));
+        for (a, b) in actual.iter().zip(expected) {
+            assert!(
+                (a - b).abs() <= relative * (1.0 + scale),
+                "vector {index}: {a} vs {b} (scale {scale})"
+            );
+        }
+    }
 }
 
 /// Every float parameter plus noise of standard deviation `std` ([`fixed_normal`], a seed per

@@ -356,10 +356,11 @@ mod op {
 #[cfg(all(test, feature = "wgpu"))]
 mod tests {
     use burn::prelude::*;
-    use burn::tensor::{Distribution, Tolerance};
+    use burn::tensor::Tolerance;
 
     use super::{SoftmaxMask, masked_softmax};
     use crate::device::device;
+    use crate::test_util::fixed_normal;
 
     /// The kernels on wgpu against the composed form on Flex, values and the gradient of the
     /// logits, along both axes: a strictly upper-triangular mask (a first column and a last row
@@ -379,8 +380,8 @@ mod tests {
         };
         let flex = Device::flex().autodiff();
         let wgpu = device("wgpu").expect("wgpu compiled in").autodiff();
-        let logits = Tensor::<2>::random([size, size], Distribution::Normal(0.0, 1.0), &flex);
-        let probe = Tensor::<2>::random([size, size], Distribution::Normal(0.0, 1.0), &flex);
+        let logits = fixed_normal([size, size], 1.0, 1, &flex);
+        let probe = fixed_normal([size, size], 1.0, 2, &flex);
         for axis in [0, 1] {
             let run = |device: &Device| {
                 let logits = logits.clone().to_device(device).require_grad();

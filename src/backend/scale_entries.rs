@@ -488,10 +488,11 @@ mod kernels {
 #[cfg(all(test, feature = "wgpu"))]
 mod tests {
     use burn::prelude::*;
-    use burn::tensor::{Distribution, Tolerance};
+    use burn::tensor::Tolerance;
 
     use crate::backend::{Scales, UsedEntries};
     use crate::device::device;
+    use crate::test_util::fixed_normal;
 
     /// Streams scaled by entries of a tracked matrix: the views on wgpu against the selected
     /// entries on Flex, values and the gradients of the matrix and of the streams, at a width
@@ -500,9 +501,9 @@ mod tests {
     fn views_match_selected_entries() {
         let flex = Device::flex().autodiff();
         let wgpu = device("wgpu").expect("wgpu compiled in").autodiff();
-        let values = Tensor::<2>::random([3, 4], Distribution::Normal(0.0, 1.0), &flex);
-        let streams = Tensor::<3>::random([6, 5, 7], Distribution::Normal(0.0, 1.0), &flex);
-        let probe = Tensor::<2>::random([5, 7], Distribution::Normal(0.0, 1.0), &flex);
+        let values = fixed_normal([3, 4], 1.0, 1, &flex);
+        let streams = fixed_normal([6, 5, 7], 1.0, 2, &flex);
+        let probe = fixed_normal([5, 7], 1.0, 3, &flex);
         let run = |device: &Device| {
             let values = values.clone().to_device(device).require_grad();
             let streams = streams.clone().to_device(device).require_grad();

@@ -412,9 +412,7 @@ pub(crate) mod kernels {
         }
         let mut start = 0usize;
         while start < width {
-            if comptime!(columns > 0) {
-                load_weight_tile::<E>(weights, start, shared, columns, threads, padded, contiguous);
-            }
+            load_weight_tile::<E>(weights, start, shared, columns, threads, padded, contiguous);
             sync_cube();
             if live {
                 let mut entry = in_group;
@@ -464,6 +462,43 @@ pub(crate) mod kernels {
             index += threads;
         }
         sync_cube();
+    }
+
+    /// `‖x_r‖²` of the unit's row `r` of the cube's rows (as in [`tiled_projection`], without
+    /// weights): each unit of the row's group sums every `group`-th square, each adds its
+    /// group's sums from `shared` (`threads` entries used). The tiled form with no columns
+    /// passed the tiles with two cube syncs each; this has two in all.
+    #[cube]
+    pub(crate) fn row_squares<E: Float>(
+        rows: &Tensor<E>,
+        first: usize,
+        shared: &mut Shared<[E]>,
+        #[comptime] tiles: RowTiles,
+    ) -> E {
+        let group = comptime!(tiles.group);
+        let width = rows.shape(1);
+        let unit = UNIT_POS as usize;
+        let row = first + unit / group;
+        let mut partial = E::new(0.0);
+        if row < rows.shape(0) {
+            let mut j = unit % group;
+            while j < width {
+                let x = rows[row * width + j];
+                partial += x * x;
+                j += group;
+            }
+        }
+        shared[unit] = partial;
+        sync_cube();
+        let base = unit - unit % group;
+        let mut total = shared[base];
+        #[unroll]
+        for g in 1..group {
+            total += shared[base + g];
+        }
+        // The caller reuses the buffer.
+        sync_cube();
+        total
     }
 
     /// `∂x` of the cube's rows (as in [`tiled_projection`]) in one pass over the weight tiles:

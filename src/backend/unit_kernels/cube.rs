@@ -384,7 +384,8 @@ mod kernels {
 
     use crate::backend::cube_launch::RowTiles;
     use crate::backend::cube_launch::kernels::{
-        row_root, row_scale, row_slope, sum_over_cube, tiled_projection, tiled_row_gradient,
+        row_root, row_scale, row_slope, row_squares, sum_over_cube, tiled_projection,
+        tiled_row_gradient,
     };
 
     /// One cube per `threads / group` rows (see [`RowTiles`]): `s(‖x‖) · x W`.
@@ -463,22 +464,9 @@ mod kernels {
         }
         let unit = UNIT_POS as usize;
         let mut shared = Shared::<[E]>::new_slice(comptime!(tiles.shared));
-        // No columns: the rows' sums of squares alone.
-        tiled_projection::<E>(
-            rows,
-            weights,
-            rows,
-            first,
-            &mut shared,
-            0usize,
-            0usize,
-            tiles,
-            true,
-        );
+        let squares = row_squares::<E>(rows, first, &mut shared, tiles);
         let row = first + unit / group;
         let live = row < rows.shape(0);
-        let squares = shared[(unit / group) * group];
-        sync_cube();
         let root = row_root::<E>(squares, root_offset_bits);
         let scale = row_scale::<E>(root, numerator_bits, offset_bits, floor_bits);
         let slope = row_slope::<E>(root, scale, offset_bits, floor_bits);

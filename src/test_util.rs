@@ -110,6 +110,19 @@ pub fn input_gradient(x: &Tensor<3>, grads: &burn::tensor::Gradients) -> Vec<f64
         .collect()
 }
 
+/// Uniform draws in `(0, 1]` (never 0: a logarithm may take them) from a fixed linear
+/// congruential sequence started from `seed`: the same in every run and on every machine.
+pub fn fixed_uniform(seed: u64) -> impl FnMut() -> f64 {
+    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15).wrapping_add(1);
+    move || {
+        state = state
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        // 53 high bits.
+        ((state >> 11) + 1) as f64 / (1u64 << 53) as f64
+    }
+}
+
 /// Entries of standard deviation `std` drawn from a fixed sequence (a linear congruential
 /// generator from `seed`, then Box–Muller): the same draw in every run, so that a comparison
 /// of two paths that fails on it fails again.
@@ -120,14 +133,7 @@ pub fn fixed_normal<const D: usize>(
     device: &Device,
 ) -> Tensor<D> {
     let count: usize = shape.iter().product();
-    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15).wrapping_add(1);
-    let mut uniform = move || {
-        state = state
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        // In (0, 1]: 53 high bits, never 0 (the logarithm below).
-        ((state >> 11) + 1) as f64 / (1u64 << 53) as f64
-    };
+    let mut uniform = fixed_uniform(seed);
     let values: Vec<f32> = (0..count)
         .map(|_| {
             let (u, v) = (uniform(), uniform());

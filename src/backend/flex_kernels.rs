@@ -370,17 +370,10 @@ pub(crate) mod avx2 {
 pub(crate) mod tests {
     use super::*;
 
-    /// Values in [-1, 1) from a fixed linear congruential sequence.
+    /// Values in (-1, 1] from a fixed sequence.
     pub(crate) fn sequence(len: usize, seed: u64) -> Vec<f32> {
-        let mut state = seed;
-        (0..len)
-            .map(|_| {
-                state = state
-                    .wrapping_mul(6364136223846793005)
-                    .wrapping_add(1442695040888963407);
-                (state >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-            })
-            .collect()
+        let mut uniform = crate::test_util::fixed_uniform(seed);
+        (0..len).map(|_| (2.0 * uniform() - 1.0) as f32).collect()
     }
 
     /// The f32 loops the CPU runs (AVX2 where it has it) against the portable ones, for

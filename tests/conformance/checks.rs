@@ -79,13 +79,15 @@ pub const KNOWN_FILES: [(&str, Checker); 12] = [
     ("mudd.safetensors", check_mudd),
 ];
 
+/// The name `--only` knows a golden file by: `NAME` of `NAME.safetensors`.
+pub fn golden_name(file: &str) -> &str {
+    file.strip_suffix(".safetensors").unwrap_or(file)
+}
+
 /// Whether `file` (`NAME.safetensors`) is among `only`'s names (every file where `only` is
 /// empty).
 pub fn selected(file: &str, only: &[String]) -> bool {
-    only.is_empty()
-        || only
-            .iter()
-            .any(|name| file.strip_suffix(".safetensors") == Some(name))
+    only.is_empty() || only.iter().any(|name| golden_name(file) == name)
 }
 
 /// Runs the checks of every known golden file present in `dir` (those named in `only`, if

@@ -50,7 +50,7 @@ fn parse(args: impl Iterator<Item = String>) -> Result<Flags, String> {
             .map(str::to_string)
             .collect();
     }
-    let known = checks::KNOWN_FILES.map(|(file, _)| file.trim_end_matches(".safetensors"));
+    let known = checks::KNOWN_FILES.map(|(file, _)| checks::golden_name(file));
     if let Some(unknown) = only.iter().find(|name| !known.contains(&name.as_str())) {
         return Err(format!(
             "--only {unknown}: no such golden file (known: {})",

@@ -89,6 +89,19 @@ fn pairs_give_each_variant_its_own_residual() {
     let order: Vec<Option<String>> = lines.iter().map(|line| variant(line)).collect();
     let expected = ["res", "dwa", "res", "hac"].map(|v| Some(v.to_string()));
     assert_eq!(order, expected, "{stdout}");
+    // Each round's times as they come (what a run stopped by a time limit keeps): per depth,
+    // one line per pair, the residual beside its variant.
+    let rounds: Vec<&str> = stderr
+        .lines()
+        .filter(|line| line.contains("round 1/1, ms: residual "))
+        .collect();
+    for variant in ["dwa", "hacn"] {
+        let pairs = rounds
+            .iter()
+            .filter(|line| line.contains(&format!(", {variant} ")))
+            .count();
+        assert_eq!(pairs * 2, rounds.len(), "{variant}: {stderr}");
+    }
     for variant in ["dwa", "hacn"] {
         let ratios = stderr
             .lines()

@@ -16,6 +16,8 @@
 //! a run (all tensor memory on CPU backends; host-side bookkeeping only on GPU backends). The
 //! ratios on stderr are of the medians, with the median and quartiles of the per-round ratios
 //! beside them (their spread is the noise of the comparison), and the ratio of CPU times.
+//! While it runs, stderr shows each variant's warm-up time and each round's times (`round 2/5,
+//! ms: residual 57.93, mhc 77.86, …`), so that a run cut short by a time limit keeps them.
 //!
 //! ```text
 //! cargo run --release -p burn-connectivity-tools --bin bench_connectivity -- [--device flex] [--runs 5] [--warmup 1] [--only stack|model|gconv|profile] [--model-size full|reduced]
@@ -222,14 +224,24 @@ struct Rounds {
 /// Every work's runs, timed round-robin (run `r` of every work before run `r + 1` of any), so
 /// that drifts of the machine's speed spread over all of them rather than favouring whichever
 /// ran first; round `r` starts with work `r mod n`, so that each follows every other in turn.
+///
+/// On stderr, as it goes: each work's warm-up time (where a GPU backend compiles and autotunes
+/// its kernels) and each round's times, `names` naming the works: a run stopped by a time
+/// limit still shows what it measured.
 fn measure_interleaved<T>(
     device: &Device,
     Rounds { runs, warmup }: Rounds,
+    names: &[&str],
     works: &[&dyn Fn() -> T],
 ) -> Vec<Timing> {
-    for work in works {
+    assert_eq!(names.len(), works.len(), "a name per work");
+    for (name, work) in names.iter().zip(works) {
+        let started = Instant::now();
         for _ in 0..warmup {
             run_once(device, *work);
+        }
+        if warmup > 0 {
+            eprintln!("  warm-up {name}: {:.1} s", started.elapsed().as_secs_f64());
         }
     }
     let mut timings = vec![
@@ -249,6 +261,10 @@ fn measure_interleaved<T>(
             timing.rounds_cpu_ms.push(cpu_ms);
             timing.peak = timing.peak.max(peak);
         }
+        let times: Vec<String> = (names.iter().zip(&timings))
+            .map(|(name, timing)| format!("{name} {:.2}", timing.rounds_ms[round]))
+            .collect();
+        eprintln!("  round {}/{runs}, ms: {}", round + 1, times.join(", "));
     }
     timings
 }
@@ -388,7 +404,8 @@ fn run(flags: Flags) -> Result<(), String> {
                 .collect();
             let works: Vec<&dyn Fn() -> Tensor<3>> =
                 works.iter().map(|work| work.as_ref()).collect();
-            let timings = measure_interleaved(&device, rounds, &works);
+            let names = ConvMethod::ALL.map(ConvMethod::name);
+            let timings = measure_interleaved(&device, rounds, &names, &works);
             for (method, timing) in ConvMethod::ALL.iter().zip(timings) {
                 report.record(format!("gconv{length}"), method.name(), timing);
             }
@@ -454,7 +471,8 @@ fn time_stacks(
             .collect();
         let works: Vec<&dyn Fn() -> Box<dyn std::any::Any>> =
             works.iter().map(|work| work.as_ref()).collect();
-        let timings = measure_interleaved(device, rounds, &works);
+        let names: Vec<&str> = variants.iter().map(|variant| variant.name()).collect();
+        let timings = measure_interleaved(device, rounds, &names, &works);
         for (variant, timing) in variants.iter().zip(timings) {
             report.record(format!("{name}.{mode}"), variant.name(), timing);
         }
@@ -480,7 +498,10 @@ fn profile(device: &Device, rounds: Rounds, report: &mut Report) {
     }
     let works: Vec<&dyn Fn() -> Box<dyn std::any::Any>> =
         works.iter().map(|work| work.as_ref()).collect();
-    let timings = measure_interleaved(device, rounds, &works);
+    let names: Vec<&str> = std::iter::once("residual")
+        .chain(OpClass::ALL.iter().map(|class| class.name()))
+        .collect();
+    let timings = measure_interleaved(device, rounds, &names, &works);
     let step_ms = timings[0].median_ms();
     report.record(format!("profile{depth}"), "train_step", timings[0].clone());
     eprintln!("residual train step, depth {depth}: {step_ms:.1} ms");

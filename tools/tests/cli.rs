@@ -115,8 +115,10 @@ fn pairs_give_each_variant_its_own_residual() {
 
 /// `kernel_counts` on wgpu (lavapipe in CI): a train step of every counted connectivity within
 /// its target of extra kernels per block over the residual's (H-ACN ≤ 2, ANCRe ≤ 3, DWA ≤ 3,
-/// HC ≤ 8, mHC ≤ 8) at depth 4, and a JSON line per variant and pass. Train-step counts repeat
-/// exactly from run to run on the same driver.
+/// HC ≤ 8, mHC ≤ 8) at depth 4, and a JSON line per variant and pass. The counts are not the
+/// same in every process on lavapipe (HC and mHC 106 and 110, the residual 76 and 77, in two
+/// runs of one commit on 2026-11-27, the second over the target): not yet explained, see
+/// BENCHMARKS.md.
 #[cfg(feature = "wgpu")]
 #[test]
 fn kernel_counts_meet_the_train_step_targets() {

@@ -5,9 +5,25 @@
 //! cargo run --release -p burn-connectivity-tools --features wgpu --bin kernel_counts [-- --device wgpu --depth 4 --variants hc,mhc]
 //! ```
 //!
-//! Every launch is counted through CubeCL's launch observer, after a warm-up pass (kernel
-//! compilation and autotune) and with the queued work flushed before and after, so a count is
-//! what one pass launches. It reports, for a stack of pre-LN MLP blocks on `[8, 128, 256]`:
+//! Every launch is counted through CubeCL's launch observer, with the queued work flushed before
+//! and after, once the count has settled: passes repeat until two in a row launch as many
+//! kernels (a pass that meets an operation the autotuner has not seen yet also launches the
+//! benchmarks of its candidates: 13 extra matrix products in one forward pass, seen here), so a
+//! count is what one pass launches.
+//!
+//! Which kernels a pass launches also depends on CubeCL's autotune, which picks between the
+//! fusion engine's fused kernels and their fallbacks (more, smaller kernels) by timing, once per
+//! process (and keeps its picks for later processes, unless `CUBECL_AUTOTUNE_CACHE=0`). On
+//! lavapipe some of them tie: the blocks' LayerNorm forward fused with the ops around it took
+//! 6.25 ms fused and 6.44 ms through its fallback in one process (the fallback won, on its best
+//! sample), 6.91 and 7.65 ms in the next. Four fresh processes on one commit counted the
+//! residual's train step at 77, 76, 76 and 71 kernels and HC's at 110, 106, 106 and 110
+//! (depth 4). `--no-broadcast-reduce-fusion` leaves out the fusion whose ties these were
+//! (Burn's `ReduceBroadcasted`): the counts then repeat exactly, but they are not what a user
+//! gets, and the residual's norm still fuses with its add there while a connectivity's, read
+//! from one of the crate's kernels, does not.
+//!
+//! It reports, for a stack of pre-LN MLP blocks on `[8, 128, 256]`:
 //! the kernels of a forward pass (without and under autodiff) and of a train step (forward and
 //! backward of the mean output) per variant, with the difference to the plain residual loop per
 //! block and, for the train step, the crate's targets; then one JSON line per variant and pass,
@@ -59,6 +75,10 @@ struct Flags {
     /// which a connectivity with parameters before block 1 must).
     #[arg(long)]
     trained_input: bool,
+    /// Leave out Burn's broadcast-reduction fusion, whose autotune's choice between its fused
+    /// kernel and its fallback makes the counts vary between processes on lavapipe.
+    #[arg(long)]
+    no_broadcast_reduce_fusion: bool,
 }
 
 #[derive(Default)]
@@ -74,25 +94,59 @@ impl LaunchObserver for Counter {
     }
 }
 
-/// Kernels launched by one run of `work` (after a warm-up run), all queued work flushed.
+/// Passes counted at most before a count must have settled.
+const MAX_PASSES: usize = 8;
+
+/// Kernels launched by one run of `work`, all queued work flushed, once two runs in a row
+/// launched as many (after one run for compilation).
 fn count<T>(device: &Device, work: impl Fn() -> T) -> usize {
     let sync = || device.sync().expect("device sync");
     drop(work());
     sync();
-    drop(work());
-    sync();
-    let counter = Arc::new(Counter::default());
-    let observation = LaunchObservation::new(counter.clone());
-    let output = work();
-    sync();
-    drop(observation);
-    drop(output);
+    let observed = || {
+        let counter = Arc::new(Counter::default());
+        let observation = LaunchObservation::new(counter.clone());
+        let output = work();
+        sync();
+        drop(observation);
+        drop(output);
+        counter
+    };
+    let launches = |counter: &Counter| counter.launches.load(Ordering::Relaxed);
+    let mut last = observed();
+    let mut settled = false;
+    for _ in 1..MAX_PASSES {
+        let counter = observed();
+        settled = launches(&counter) == launches(&last);
+        last = counter;
+        if settled {
+            break;
+        }
+    }
+    if !settled {
+        eprintln!("warning: the count had not settled after {MAX_PASSES} passes");
+    }
     if std::env::var_os("KERNEL_NAMES").is_some() {
-        for name in counter.names.lock().unwrap().iter() {
+        for name in last.names.lock().unwrap().iter() {
             eprintln!("    {name}");
         }
     }
-    counter.launches.load(Ordering::Relaxed)
+    launches(&last)
+}
+
+/// The fusion optimization `--no-broadcast-reduce-fusion` leaves out.
+const BROADCAST_REDUCE_FUSION: &str = "ReduceBroadcasted";
+
+/// Leaves Burn's broadcast-reduction fusion out; before the first tensor operation.
+fn without_broadcast_reduce_fusion() -> Result<(), String> {
+    use burn_cubecl::fusion::{BUILTIN_NAMES, remove};
+    // `remove` takes an unknown name silently: a renamed optimization must not go unnoticed.
+    if !BUILTIN_NAMES.contains(&BROADCAST_REDUCE_FUSION) {
+        return Err(format!(
+            "Burn has no fusion optimization named {BROADCAST_REDUCE_FUSION} any more (it has {BUILTIN_NAMES:?})"
+        ));
+    }
+    remove(BROADCAST_REDUCE_FUSION).map_err(|err| err.to_string())
 }
 
 /// The variants counted, the residual first (the baseline).
@@ -166,6 +220,9 @@ fn run(flags: Flags) -> Result<(), String> {
         .into_iter()
         .filter(|variant| COUNTED.contains(variant))
         .collect();
+    if flags.no_broadcast_reduce_fusion {
+        without_broadcast_reduce_fusion()?;
+    }
     let name = flags.device;
     let device = burn_connectivity::device::device(&name).map_err(|err| err.to_string())?;
     let depth = flags.depth as usize;

@@ -219,6 +219,9 @@ pub(crate) mod kernels {
 
     use super::RowTiles;
 
+    /// Rows per pass of [`weights_product_kernel`]'s loop.
+    const PRODUCT_UNROLL: usize = 4;
+
     /// Sums `slots` values per unit over the cube, in `shared` (`slots` per unit, unit-major);
     /// the totals end in the first `slots` entries. The cube's size is a power of two.
     #[cube]
@@ -375,6 +378,36 @@ pub(crate) mod kernels {
         }
     }
 
+    /// The unit's entries `start + in_group + e · group` (`e < threads / group`) of its row of
+    /// `rows`, read as `[R, width]` whatever its shape (a previous gradient may come as the
+    /// streams' `[T, n, C]`), zero past `width` or for a row past the last, into `xs`.
+    ///
+    /// All are loaded before any is used: a loop that waited for each load in turn left the
+    /// tiled kernels bound by memory latency (a cube's few rows give a GPU too few units in
+    /// flight to hide it).
+    #[cube]
+    pub(crate) fn row_entries<E: Float>(
+        rows: &Tensor<E>,
+        width: usize,
+        row: usize,
+        live: bool,
+        start: usize,
+        xs: &mut Array<E>,
+        #[comptime] tiles: RowTiles,
+    ) {
+        let group = comptime!(tiles.group);
+        let in_group = UNIT_POS as usize % group;
+        #[unroll]
+        for e in 0..comptime!(tiles.threads / group) {
+            let j = start + in_group + e * group;
+            let mut x = E::new(0.0);
+            if live && j < width {
+                x = rows[row * width + j];
+            }
+            xs[e] = x;
+        }
+    }
+
     /// For the cube's rows `first + r` of `rows [R, w]` (`r < threads / group`, `group`
     /// consecutive units each): `x W` (`columns` entries, `W [w, columns]` read in tiles of
     /// `threads` entries of `w`, see [`RowTiles`](super::RowTiles)), then `‖x‖²`, then for
@@ -410,22 +443,26 @@ pub(crate) mod kernels {
         for s in 0..slots {
             partial[s] = E::new(0.0);
         }
+        let per_unit = comptime!(threads / group);
+        let mut xs = Array::<E>::new(per_unit);
         let mut start = 0usize;
         while start < width {
+            row_entries::<E>(rows, width, row, live, start, &mut xs, tiles);
             load_weight_tile::<E>(weights, start, shared, columns, threads, padded, contiguous);
             sync_cube();
             if live {
-                let mut entry = in_group;
-                while entry < threads {
+                #[unroll]
+                for e in 0..per_unit {
+                    let entry = in_group + e * group;
                     let j = start + entry;
-                    if j < width {
-                        let x = rows[row * width + j];
-                        #[unroll]
-                        for c in 0..columns {
-                            partial[c] += x * shared[entry * padded + c];
-                        }
-                        partial[columns] += x * x;
-                        if comptime!(views > 0) {
+                    let x = xs[e];
+                    #[unroll]
+                    for c in 0..columns {
+                        partial[c] += x * shared[entry * padded + c];
+                    }
+                    partial[columns] += x * x;
+                    if comptime!(views > 0) {
+                        if j < width {
                             let view = j / view_width;
                             let product = x * other[row * view_width + j % view_width];
                             #[unroll]
@@ -436,7 +473,6 @@ pub(crate) mod kernels {
                             }
                         }
                     }
-                    entry += group;
                 }
             }
             sync_cube();
@@ -479,14 +515,17 @@ pub(crate) mod kernels {
         let width = rows.shape(1);
         let unit = UNIT_POS as usize;
         let row = first + unit / group;
+        let live = row < rows.shape(0);
         let mut partial = E::new(0.0);
-        if row < rows.shape(0) {
-            let mut j = unit % group;
-            while j < width {
-                let x = rows[row * width + j];
-                partial += x * x;
-                j += group;
+        let mut xs = Array::<E>::new(comptime!(tiles.threads / group));
+        let mut start = 0usize;
+        while start < width {
+            row_entries::<E>(rows, width, row, live, start, &mut xs, tiles);
+            #[unroll]
+            for e in 0..comptime!(tiles.threads / group) {
+                partial += xs[e] * xs[e];
             }
+            start += comptime!(tiles.threads);
         }
         shared[unit] = partial;
         sync_cube();
@@ -534,21 +573,42 @@ pub(crate) mod kernels {
         let row = first + unit / group;
         let live = row < rows.shape(0);
         let view_width = width / comptime!(views.max(1));
+        let per_unit = comptime!(threads / group);
+        // The unit's entries of `rows`, `previous` and `other`, loaded before any is used (see
+        // `row_entries`).
+        let mut xs = Array::<E>::new(per_unit);
+        let mut earlier = Array::<E>::new(per_unit);
+        let mut others = Array::<E>::new(per_unit);
         let mut start = 0usize;
         while start < width {
+            row_entries::<E>(rows, width, row, live, start, &mut xs, tiles);
+            if comptime!(with_previous) {
+                row_entries::<E>(previous, width, row, live, start, &mut earlier, tiles);
+            }
+            if comptime!(views > 0) {
+                #[unroll]
+                for e in 0..per_unit {
+                    let j = start + in_group + e * group;
+                    let mut value = E::new(0.0);
+                    if live && j < width {
+                        value = other[row * view_width + j % view_width];
+                    }
+                    others[e] = value;
+                }
+            }
             load_weight_tile::<E>(weights, start, shared, columns, threads, padded, contiguous);
             sync_cube();
             if live {
-                let mut entry = in_group;
-                while entry < threads {
+                #[unroll]
+                for e in 0..per_unit {
+                    let entry = in_group + e * group;
                     let j = start + entry;
                     if j < width {
-                        let at = row * width + j;
                         let mut value = scale
                             * tile_dot::<E>(&*shared, entry, step, columns, padded)
-                            + along * rows[at];
+                            + along * xs[e];
                         if comptime!(with_previous) {
-                            value += previous[at];
+                            value += earlier[e];
                         }
                         if comptime!(views > 0) {
                             let view = j / view_width;
@@ -559,11 +619,10 @@ pub(crate) mod kernels {
                                     gain = gains[k];
                                 }
                             }
-                            value += gain * other[row * view_width + j % view_width];
+                            value += gain * others[e];
                         }
-                        grad_rows[at] = value;
+                        grad_rows[row * width + j] = value;
                     }
-                    entry += group;
                 }
             }
             sync_cube();
@@ -619,12 +678,31 @@ pub(crate) mod kernels {
         for c in 0..columns {
             sums[c] = E::new(0.0);
         }
-        for r in first..last {
+        // Four rows a pass, their entries loaded before any is used (latency, not bandwidth,
+        // bound a loop that waited for each row's load in turn).
+        let mut xs = Array::<E>::new(PRODUCT_UNROLL);
+        let mut r = first;
+        while r + PRODUCT_UNROLL <= last {
+            #[unroll]
+            for k in 0..PRODUCT_UNROLL {
+                xs[k] = rows[(r + k) * width + j];
+            }
+            #[unroll]
+            for k in 0..PRODUCT_UNROLL {
+                #[unroll]
+                for c in 0..columns {
+                    sums[c] += xs[k] * scaled_grad[(r + k) * columns + c];
+                }
+            }
+            r += PRODUCT_UNROLL;
+        }
+        while r < last {
             let x = rows[r * width + j];
             #[unroll]
             for c in 0..columns {
                 sums[c] += x * scaled_grad[r * columns + c];
             }
+            r += 1;
         }
         let base = (chunk * width + j) * columns;
         #[unroll]

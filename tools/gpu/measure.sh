@@ -24,8 +24,12 @@
 #   counts          kernel counts on Vulkan, depth 12
 #   new-variants    the train step of the 2025-26 methods on CUDA
 #   lm              reproduce --scale's LM runs, residual, AttnRes and MUDD, 3 seeds each
+#   mudd-probe      20 steps of MUDD's LM run on CUDA with CubeCL's compilation and autotune
+#                   logs, each line stamped with the script's seconds (MUDD stayed at step 0
+#                   for 5 minutes in the 2026-11-26 H100 lease)
 # Writes to $OUT (at most 8 files come back): env.txt, bench.jsonl (the JSON lines of every
-# timing stage), bench.log (their stderr), profile.log, conformance.log, counts.log, lm.log.
+# timing stage), bench.log (their stderr), profile.log, conformance.log, counts.log, lm.log,
+# mudd.log.
 set -u
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-target/gpu-out}
@@ -146,6 +150,16 @@ run_stage() {
     lm)
         lm_runs
         cat "$OUT/lm.log" ;;
+    mudd-probe)
+        mkdir -p /tmp/mudd
+        printf '[compilation.logger]\nlevel = "basic"\nstdout = true\n[autotune.logger]\nlevel = "minimal"\nstdout = true\n' \
+            >/tmp/mudd/cubecl.toml
+        (cd /tmp/mudd && step 90 "${RUN[@]}" "$OLDPWD/$BIN/lm_wrap" --device cuda --steps 20 \
+            --layers 8 --width 256 --heads 8 --context 128 --batch 32 --connectivity mudd \
+            --seed 1) 2>&1 | while IFS= read -r line; do printf '%4d %s\n' "$SECONDS" "$line"; done \
+            >>"$OUT/mudd.log"
+        grep -ac . "$OUT/mudd.log"
+        tail -4 "$OUT/mudd.log" ;;
     *) echo "unknown stage $1" ;;
     esac
 }

@@ -35,8 +35,8 @@ fn mix(
     } else {
         1
     };
-    let dim = CubeDim::new(&units.client, tokens * rows * width);
-    let count_cubes = calculate_cube_count_elemwise(&units.client, tokens * rows * width, dim);
+    let dim = CubeDim::new(&units.client, tokens * width);
+    let count_cubes = calculate_cube_count_elemwise(&units.client, tokens * width, dim);
     mix_forward_kernel::launch(
         &units.client,
         count_cubes,
@@ -563,25 +563,42 @@ mod kernels {
         #[comptime] beta_row: usize,
         #[define(E)] _dtype: ElemType,
     ) {
+        // One unit per token and entry `j`, for every output row: each unit reads its `count`
+        // inputs (and the branch's views) once, not once per row.
         let position = ABSOLUTE_POS;
-        if position >= output.len() {
+        let width = units.shape(2);
+        if position >= units.shape(0) * width {
             terminate!();
         }
-        let width = units.shape(2);
         let j = position % width;
-        let r = (position / width) % rows;
-        let t = position / (width * rows);
-        let base = leading_offset::<E>(weights, t, first + r);
-        let across = weights.stride(2);
-        let mut total = E::new(0.0);
+        let t = position / width;
+        let mut values = Array::<E>::new(count);
+        #[unroll]
         for u in 0..count {
-            total += weights[base + u * across] * units[(t * count + u) * width + j];
+            values[u] = units[(t * count + u) * width + j];
         }
+        let mut branches = Array::<E>::new(views);
         if comptime!(with_addend) {
-            let gain = gain_of::<E>(weights, beta, t, r, beta_row);
-            total += gain * branch[(t * views + r % views) * width + j];
+            #[unroll]
+            for f in 0..views {
+                branches[f] = branch[(t * views + f) * width + j];
+            }
         }
-        output[position] = total;
+        let across = weights.stride(2);
+        #[unroll]
+        for r in 0..rows {
+            let base = leading_offset::<E>(weights, t, first + r);
+            let mut total = E::new(0.0);
+            #[unroll]
+            for u in 0..count {
+                total += weights[base + u * across] * values[u];
+            }
+            if comptime!(with_addend) {
+                let gain = gain_of::<E>(weights, beta, t, r, beta_row);
+                total += gain * branches[r % views];
+            }
+            output[(t * rows + r) * width + j] = total;
+        }
     }
 
     #[cube(launch)]

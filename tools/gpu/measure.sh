@@ -141,9 +141,9 @@ run_stage() {
         grep -aE 'passed|FAIL' "$OUT/conformance.log" | tail -20 ;;
     tables-train) bench 150 cuda train-step hc,mhc ;;
     new-tables) bench 150 cuda train-step mhc_v4,mhc_lite ;;
-    vulkan-train) bench 200 vulkan train-step "$TARGETS" ;;
+    vulkan-train) bench 240 vulkan train-step "$TARGETS" ;;
     counts)
-        step 90 "${RUN[@]}" $BIN/kernel_counts --device vulkan --depth 12 --variants "$TARGETS" \
+        step 120 "${RUN[@]}" $BIN/kernel_counts --device vulkan --depth 12 --variants "$TARGETS" \
             >>"$OUT/counts.log" 2>&1
         grep -a '"pass": "train_step"' "$OUT/counts.log" | tail -6 ;;
     new-variants) bench 200 cuda train-step "$NEW" ;;

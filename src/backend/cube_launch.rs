@@ -219,9 +219,6 @@ pub(crate) mod kernels {
 
     use super::RowTiles;
 
-    /// Rows per pass of [`weights_product_kernel`]'s loop.
-    const PRODUCT_UNROLL: usize = 4;
-
     /// Sums `slots` values per unit over the cube, in `shared` (`slots` per unit, unit-major);
     /// the totals end in the first `slots` entries. The cube's size is a power of two.
     #[cube]
@@ -379,12 +376,13 @@ pub(crate) mod kernels {
     }
 
     /// The unit's entries `start + in_group + e · group` (`e < threads / group`) of its row of
-    /// `rows`, read as `[R, width]` whatever its shape (a previous gradient may come as the
-    /// streams' `[T, n, C]`), zero past `width` or for a row past the last, into `xs`.
+    /// `rows [R, width]`, zero past `width` or for a row past the last, into `xs`.
     ///
-    /// All are loaded before any is used: a loop that waited for each load in turn left the
-    /// tiled kernels bound by memory latency (a cube's few rows give a GPU too few units in
-    /// flight to hide it).
+    /// All are loaded before any is used, so a unit has them in flight together: a cube's few
+    /// rows give a GPU few units to hide a load's latency with. On an H200 this took the
+    /// normalised table's forward kernel from 0.35 to 0.29 ms per block (BENCHMARKS.md); the
+    /// same prefetch in the row gradient's pass, which also reads the previous gradient and
+    /// the block input's, made that kernel slower (0.75 to 1.13 ms), so it has none.
     #[cube]
     pub(crate) fn row_entries<E: Float>(
         rows: &Tensor<E>,
@@ -573,42 +571,21 @@ pub(crate) mod kernels {
         let row = first + unit / group;
         let live = row < rows.shape(0);
         let view_width = width / comptime!(views.max(1));
-        let per_unit = comptime!(threads / group);
-        // The unit's entries of `rows`, `previous` and `other`, loaded before any is used (see
-        // `row_entries`).
-        let mut xs = Array::<E>::new(per_unit);
-        let mut earlier = Array::<E>::new(per_unit);
-        let mut others = Array::<E>::new(per_unit);
         let mut start = 0usize;
         while start < width {
-            row_entries::<E>(rows, width, row, live, start, &mut xs, tiles);
-            if comptime!(with_previous) {
-                row_entries::<E>(previous, width, row, live, start, &mut earlier, tiles);
-            }
-            if comptime!(views > 0) {
-                #[unroll]
-                for e in 0..per_unit {
-                    let j = start + in_group + e * group;
-                    let mut value = E::new(0.0);
-                    if live && j < width {
-                        value = other[row * view_width + j % view_width];
-                    }
-                    others[e] = value;
-                }
-            }
             load_weight_tile::<E>(weights, start, shared, columns, threads, padded, contiguous);
             sync_cube();
             if live {
-                #[unroll]
-                for e in 0..per_unit {
-                    let entry = in_group + e * group;
+                let mut entry = in_group;
+                while entry < threads {
                     let j = start + entry;
                     if j < width {
+                        let at = row * width + j;
                         let mut value = scale
                             * tile_dot::<E>(&*shared, entry, step, columns, padded)
-                            + along * xs[e];
+                            + along * rows[at];
                         if comptime!(with_previous) {
-                            value += earlier[e];
+                            value += previous[at];
                         }
                         if comptime!(views > 0) {
                             let view = j / view_width;
@@ -619,10 +596,11 @@ pub(crate) mod kernels {
                                     gain = gains[k];
                                 }
                             }
-                            value += gain * others[e];
+                            value += gain * other[row * view_width + j % view_width];
                         }
-                        grad_rows[row * width + j] = value;
+                        grad_rows[at] = value;
                     }
+                    entry += group;
                 }
             }
             sync_cube();
@@ -678,31 +656,12 @@ pub(crate) mod kernels {
         for c in 0..columns {
             sums[c] = E::new(0.0);
         }
-        // Four rows a pass, their entries loaded before any is used (latency, not bandwidth,
-        // bound a loop that waited for each row's load in turn).
-        let mut xs = Array::<E>::new(PRODUCT_UNROLL);
-        let mut r = first;
-        while r + PRODUCT_UNROLL <= last {
-            #[unroll]
-            for k in 0..PRODUCT_UNROLL {
-                xs[k] = rows[(r + k) * width + j];
-            }
-            #[unroll]
-            for k in 0..PRODUCT_UNROLL {
-                #[unroll]
-                for c in 0..columns {
-                    sums[c] += xs[k] * scaled_grad[(r + k) * columns + c];
-                }
-            }
-            r += PRODUCT_UNROLL;
-        }
-        while r < last {
+        for r in first..last {
             let x = rows[r * width + j];
             #[unroll]
             for c in 0..columns {
                 sums[c] += x * scaled_grad[r * columns + c];
             }
-            r += 1;
         }
         let base = (chunk * width + j) * columns;
         #[unroll]

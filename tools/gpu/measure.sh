@@ -61,9 +61,33 @@ if ls .gl/*.deb >/dev/null 2>&1; then
     for f in .gl/*.deb; do dpkg -x "$f" /; done
     ldconfig
 fi
-if ! ls /usr/share/vulkan/icd.d/nvidia* /etc/vulkan/icd.d/nvidia* >/dev/null 2>&1; then
-    export VK_DRIVER_FILES=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json
-fi
+# NVIDIA's Vulkan driver: its ICD file where the loader looks, else one elsewhere, else one
+# written here for the driver's library (libGLX_nvidia) if the machine has it. A machine can
+# lack both: the 2026-11-27 H200 had no Vulkan adapter with the file named below.
+vulkan_icd() {
+    local icd lib
+    for icd in /usr/share/vulkan/icd.d/nvidia*.json /etc/vulkan/icd.d/nvidia*.json; do
+        [ -e "$icd" ] && { echo "vulkan: $icd (where the loader looks)"; return; }
+    done
+    icd=$(find /usr/local/nvidia /usr/share /etc /opt -name 'nvidia_icd*.json' 2>/dev/null | head -1)
+    if [ -z "$icd" ]; then
+        lib=$(find /usr/local/nvidia /usr/lib /usr/lib64 /lib /opt -name 'libGLX_nvidia.so*' \
+            2>/dev/null | head -1)
+        if [ -n "$lib" ]; then
+            icd=/tmp/nvidia_icd.json
+            printf '{"file_format_version": "1.0.0", "ICD": {"library_path": "%s", "api_version": "1.3.0"}}\n' \
+                "$lib" >"$icd"
+        fi
+    fi
+    if [ -n "$icd" ]; then
+        export VK_DRIVER_FILES=$icd
+        echo "vulkan: VK_DRIVER_FILES=$icd: $(tr -d '\n' <"$icd" | head -c 300)"
+    else
+        echo "vulkan: no ICD file and no libGLX_nvidia on this machine"
+    fi
+}
+vulkan_icd >/tmp/vulkan.txt # not in a subshell: the export must reach the stages
+VULKAN=$(cat /tmp/vulkan.txt)
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 (cd .gpu && xz -d -f -T0 gpu_suite.xz && chmod +x gpu_suite)
@@ -86,6 +110,7 @@ export LD_LIBRARY_PATH
     nvidia-smi | head -4 | tail -2
     python3 -c 'import torch, hyper_connections; print("torch", torch.__version__, "cuda", torch.version.cuda)'
     nproc
+    echo "$VULKAN"
 } >"$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 

@@ -393,53 +393,6 @@ mod kernels {
         E::new(1.0) / (E::new(1.0) + (E::new(0.0) - z).exp())
     }
 
-    /// Entries of a row per pass of the per-row loops (see [`gated_projection`]).
-    const ROW_UNROLL: usize = 4;
-
-    /// Entry `j` of a row, `x`, added to the gated projection's partial sums: `x (1 + γ_j) W̃_j`
-    /// (`columns + 1` entries) and `x²`.
-    #[cube]
-    fn gated_terms<E: Float>(
-        x: E,
-        j: usize,
-        mixing_weights: &Tensor<E>,
-        depth_weights: &Tensor<E>,
-        gain: &Tensor<E>,
-        partial: &mut Array<E>,
-        #[comptime] columns: usize,
-    ) {
-        let scaled = x * (E::new(1.0) + gain[j]);
-        #[unroll]
-        for c in 0..columns {
-            partial[c] += scaled * mixing_weights[j * columns + c];
-        }
-        partial[columns] += scaled * depth_weights[j];
-        partial[comptime!(columns + 1)] += x * x;
-    }
-
-    /// `∂x_j = s (1 + γ_j) (W̃_j · δ) + along · x_j` of the gated table's backward (the
-    /// previous gradient and the block input's part are the caller's).
-    #[cube]
-    #[allow(clippy::too_many_arguments)]
-    fn gated_row_gradient<E: Float>(
-        x: E,
-        j: usize,
-        mixing_weights: &Tensor<E>,
-        depth_weights: &Tensor<E>,
-        gain: &Tensor<E>,
-        delta: &Array<E>,
-        scale: E,
-        along: E,
-        #[comptime] columns: usize,
-    ) -> E {
-        let mut total = depth_weights[j] * delta[columns];
-        #[unroll]
-        for k in 0..columns {
-            total += mixing_weights[j * columns + k] * delta[k];
-        }
-        scale * (E::new(1.0) + gain[j]) * total + along * x
-    }
-
     /// The row's `x W̃` for the gated form's `columns + 1` projections, then its sum of squares,
     /// summed over the cube into the first `columns + 2` entries of `shared`.
     #[cube]
@@ -461,40 +414,15 @@ mod kernels {
         for c in 0..slots {
             partial[c] = E::new(0.0);
         }
-        // Four entries a pass, loaded before any is used: a loop that waited for each load in
-        // turn was bound by memory latency, not bandwidth.
-        let mut xs = Array::<E>::new(ROW_UNROLL);
         let mut j = unit;
-        while j + comptime!((ROW_UNROLL - 1) * threads) < width {
-            #[unroll]
-            for k in 0..ROW_UNROLL {
-                xs[k] = rows[row * width + j + k * threads];
-            }
-            #[unroll]
-            for k in 0..ROW_UNROLL {
-                gated_terms::<E>(
-                    xs[k],
-                    j + k * threads,
-                    mixing_weights,
-                    depth_weights,
-                    gain,
-                    &mut partial,
-                    columns,
-                );
-            }
-            j += comptime!(ROW_UNROLL * threads);
-        }
         while j < width {
             let x = rows[row * width + j];
-            gated_terms::<E>(
-                x,
-                j,
-                mixing_weights,
-                depth_weights,
-                gain,
-                &mut partial,
-                columns,
-            );
+            let scaled = x * (E::new(1.0) + gain[j]);
+            for c in 0..columns {
+                partial[c] += scaled * mixing_weights[j * columns + c];
+            }
+            partial[columns] += scaled * depth_weights[j];
+            partial[comptime!(columns + 1)] += x * x;
             j += threads;
         }
         for c in 0..slots {
@@ -600,23 +528,7 @@ mod kernels {
         for v in 0..views {
             partial[v] = E::new(0.0);
         }
-        // Four entries a pass, loaded first (see `gated_projection`).
-        let mut xs = Array::<E>::new(ROW_UNROLL);
         let mut j = unit;
-        while j + comptime!((ROW_UNROLL - 1) * threads) < width {
-            #[unroll]
-            for k in 0..ROW_UNROLL {
-                xs[k] = rows[row * width + j + k * threads];
-            }
-            #[unroll]
-            for k in 0..ROW_UNROLL {
-                #[unroll]
-                for v in 0..views {
-                    partial[v] += xs[k] * input_grad[(t * views + v) * width + j + k * threads];
-                }
-            }
-            j += comptime!(ROW_UNROLL * threads);
-        }
         while j < width {
             let x = rows[row * width + j];
             for v in 0..views {
@@ -725,63 +637,14 @@ mod kernels {
             scaled_grad[row * comptime!(columns + 1) + c] = delta[c] * scale;
             c += threads;
         }
-        // Four entries a pass, the row's, the previous gradient's and the block input's loaded
-        // before any is written (see `gated_projection`).
-        let mut xs = Array::<E>::new(ROW_UNROLL);
-        let mut earlier = Array::<E>::new(ROW_UNROLL);
-        let mut inputs = Array::<E>::new(comptime!(ROW_UNROLL * views.max(1)));
         let mut j = unit;
-        while j + comptime!((ROW_UNROLL - 1) * threads) < width {
-            #[unroll]
-            for k in 0..ROW_UNROLL {
-                let at = row * width + j + k * threads;
-                xs[k] = rows[at];
-                if comptime!(with_previous_rows) {
-                    earlier[k] = previous_rows[at];
-                }
-                #[unroll]
-                for v in 0..views {
-                    inputs[k * views + v] = input_grad[(t * views + v) * width + j + k * threads];
-                }
-            }
-            #[unroll]
-            for k in 0..ROW_UNROLL {
-                let at = j + k * threads;
-                let mut value = gated_row_gradient::<E>(
-                    xs[k],
-                    at,
-                    mixing_weights,
-                    depth_weights,
-                    gain,
-                    &delta,
-                    scale,
-                    along,
-                    columns,
-                );
-                if comptime!(with_previous_rows) {
-                    value += earlier[k];
-                }
-                #[unroll]
-                for v in 0..views {
-                    value += view_weights[v] * inputs[k * views + v];
-                }
-                grad_rows[row * width + at] = value;
-            }
-            j += comptime!(ROW_UNROLL * threads);
-        }
         while j < width {
+            let mut total = depth_weights[j] * delta[columns];
+            for k in 0..columns {
+                total += mixing_weights[j * columns + k] * delta[k];
+            }
             let at = row * width + j;
-            let mut value = gated_row_gradient::<E>(
-                rows[at],
-                j,
-                mixing_weights,
-                depth_weights,
-                gain,
-                &delta,
-                scale,
-                along,
-                columns,
-            );
+            let mut value = scale * (E::new(1.0) + gain[j]) * total + along * rows[at];
             if comptime!(with_previous_rows) {
                 value += previous_rows[at];
             }

@@ -460,7 +460,9 @@ pub(crate) mod kernels {
                     }
                     partial[columns] += x * x;
                     if comptime!(views > 0) {
-                        if j < width {
+                        // Past the row's end `x` is zero and has no view to add to.
+                        let inside = j < width;
+                        if inside {
                             let view = j / view_width;
                             let product = x * other[row * view_width + j % view_width];
                             #[unroll]

@@ -23,6 +23,7 @@
 #   vulkan-train    the train step on wgpu's Vulkan path (SPIR-V)
 #   counts          kernel counts on Vulkan, depth 12
 #   new-variants    the train step of the 2025-26 methods on CUDA
+#   cuda-variants   the train step on CUDA of the variants in $VARIANTS (comma-separated)
 #   lm              reproduce --scale's LM runs, residual, AttnRes and MUDD, 3 seeds each
 #   mudd-probe      20 steps of MUDD's LM run on CUDA with CubeCL's compilation and autotune
 #                   logs, each line stamped with the script's seconds (MUDD stayed at step 0
@@ -172,6 +173,7 @@ run_stage() {
             >>"$OUT/counts.log" 2>&1
         grep -a '"pass": "train_step"' "$OUT/counts.log" | tail -6 ;;
     new-variants) bench 200 cuda train-step "$NEW" ;;
+    cuda-variants) bench 200 cuda train-step "${VARIANTS:?cuda-variants needs VARIANTS}" ;;
     lm)
         lm_runs
         cat "$OUT/lm.log" ;;

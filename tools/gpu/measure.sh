@@ -63,8 +63,9 @@ if ls .gl/*.deb >/dev/null 2>&1; then
     ldconfig
 fi
 # NVIDIA's Vulkan driver: its ICD file where the loader looks, else one elsewhere, else one
-# written here for the driver's library (libGLX_nvidia) if the machine has it. A machine can
-# lack both: the 2026-11-27 H200 had no Vulkan adapter with the file named below.
+# written here for the driver's library (libGLX_nvidia) if the machine has it. A file is not
+# an adapter: on the 2026-11-27 H200 the loader found NVIDIA's file in /usr/share, but the
+# driver would not create an instance (BENCHMARKS.md, "Fourth lease").
 vulkan_icd() {
     local icd lib
     for icd in /usr/share/vulkan/icd.d/nvidia*.json /etc/vulkan/icd.d/nvidia*.json; do

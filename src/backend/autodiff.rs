@@ -33,6 +33,34 @@ where
     }
 }
 
+/// [`tracked_op`] for a forward that also makes a tensor its backward takes back (kept in the
+/// state where tracked): `(output, saved)`, the saved tensor untracked.
+pub(super) fn tracked_op_saving<B, C, Op, const N: usize>(
+    op: Op,
+    parents: [FloatTensor<Autodiff<B, C>>; N],
+    forward: impl FnOnce([FloatTensor<B>; N]) -> (FloatTensor<B>, FloatTensor<B>),
+    state: impl FnOnce([NodeId; N], FloatTensor<B>) -> Op::State,
+) -> (FloatTensor<Autodiff<B, C>>, FloatTensor<B>)
+where
+    B: Backend,
+    C: CheckpointStrategy,
+    Op: Backward<B, N>,
+{
+    let nodes = parents.each_ref().map(|parent| parent.node());
+    match op.prepare::<C>(nodes).compute_bound().stateful() {
+        OpsKind::Tracked(mut prep) => {
+            let checkpoints = parents.each_ref().map(|parent| prep.checkpoint(parent));
+            let (output, saved) = forward(parents.map(|parent| parent.into_primitive()));
+            let state = state(checkpoints, saved.clone());
+            (prep.finish(state, output), saved)
+        }
+        OpsKind::UnTracked(prep) => {
+            let (output, saved) = forward(parents.map(|p| p.into_primitive()));
+            (prep.finish(output), saved)
+        }
+    }
+}
+
 /// A tensor computed on the inner backend as a constant to the graph: what the first-order
 /// `*_backward` ops return (the fused ops are not differentiable twice).
 pub(super) fn constant<B: Backend, C: CheckpointStrategy>(

@@ -7,9 +7,13 @@
 //! Composed from tensor ops, the table costs a kernel or more per step of its equations forward
 //! (norm, product, activations, scales, the static part, the Sinkhorn-Knopp, the layout), and
 //! more backward (each broadcast parameter's gradient is a reduction of its own, each slice a
-//! zero fill and a copy). Here it is one kernel forward; backward, one kernel recomputes the
-//! projection and takes every step back, two make the projection weights' gradient, and one sums
-//! the small parameters' gradients over the tokens, one cube each. The gated form's kernels take
+//! zero fill and a copy). Here it is one kernel forward, which also keeps each row's projection
+//! and sum of squares (`K + 2` or `2n + r + 1` numbers a row, a constant to the graph);
+//! backward, one kernel takes every step back from those (a pass over the rows only for the
+//! block input's products, none for the projection), two make the projection weights'
+//! gradient, and one sums the small parameters' gradients over the tokens, one cube each.
+//! Projecting the rows again in the backward cost mHC's table about a third of its backward
+//! kernel (BENCHMARKS.md). The gated form's kernels take
 //! one projected row per cube; the normalised form's take several token rows per cube through
 //! tiles of `Φ` in shared memory (`cube_launch::RowTiles`: each row would otherwise stream the
 //! whole `Φ`, 24 times its own bytes at `n = 4`), one unit per row for the logits and
@@ -63,7 +67,7 @@ use burn::backend::{Backend, Dispatch, backend_extension};
 use burn::tensor::{Shape, Tensor};
 
 use super::RowScale;
-use super::autodiff::{constant, tracked_op};
+use super::autodiff::{constant, tracked_op_saving};
 use super::gradient_slots::{Part, take};
 
 pub(super) mod cube;
@@ -161,7 +165,7 @@ impl TableForm for Gated {
             row_scale.root_offset, 0.0,
             "the gated table kernels take c = 0"
         );
-        Tensor::from_dispatch(<Dispatch as ConnectionTableBackend>::gated_table(
+        let (table, _projection) = <Dispatch as ConnectionTableBackend>::gated_table(
             rows.into_dispatch(),
             mixing_weights.into_dispatch(),
             depth_weights.into_dispatch(),
@@ -175,7 +179,8 @@ impl TableForm for Gated {
             row_scale.offset,
             row_scale.floor,
             slot,
-        ))
+        );
+        Tensor::from_dispatch(table)
     }
 }
 
@@ -213,7 +218,7 @@ impl TableForm for Normalised {
         // as the op registers no gradient for it.
         let mixtures = mixture.as_ref().map_or(0, |m| m.dims()[0]);
         let matrices = mixture.unwrap_or_else(|| bias.clone().unsqueeze()).detach();
-        Tensor::from_dispatch(<Dispatch as ConnectionTableBackend>::normalised_table(
+        let (table, _projection) = <Dispatch as ConnectionTableBackend>::normalised_table(
             rows.into_dispatch(),
             weights.into_dispatch(),
             input_scale.into_dispatch(),
@@ -231,7 +236,8 @@ impl TableForm for Normalised {
             row_scale.offset,
             row_scale.root_offset,
             slot,
-        ))
+        );
+        Tensor::from_dispatch(table)
     }
 }
 
@@ -242,16 +248,21 @@ impl TableForm for Normalised {
     Autodiff
 )]
 pub(crate) trait ConnectionTableBackend: Backend {
-    /// The gated form's table `[T, K + 1, U]`.
-    #[fusion(meta = |rows, mixing_weights, _, _, _, _, mixing_static, _, _, _, _, _, _| TensorSpec::new(
-        Shape::new([
-            rows.shape[0] / mixing_static.shape[0],
-            mixing_weights.shape[1] + 1,
-            mixing_static.shape[0],
-        ]),
-        rows.dtype,
+    /// The gated form's table `[T, K + 1, U]`. Second, the projection `[p_r | ‖x_r‖²]` per row
+    /// (`[T·U, K + 2]`, before the row scale), which the backward takes back rather than
+    /// projecting the rows again (a constant to the graph).
+    #[fusion(meta = |rows, mixing_weights, _, _, _, _, mixing_static, _, _, _, _, _, _| (
+        TensorSpec::new(
+            Shape::new([
+                rows.shape[0] / mixing_static.shape[0],
+                mixing_weights.shape[1] + 1,
+                mixing_static.shape[0],
+            ]),
+            rows.dtype,
+        ),
+        TensorSpec::new(Shape::new([rows.shape[0], mixing_weights.shape[1] + 2]), rows.dtype),
     ))]
-    #[allow(clippy::too_many_arguments)]
+    #[allow(clippy::too_many_arguments, clippy::type_complexity)]
     fn gated_table(
         rows: FloatTensor<Self>,
         mixing_weights: FloatTensor<Self>,
@@ -266,15 +277,16 @@ pub(crate) trait ConnectionTableBackend: Backend {
         offset: f64,
         floor: f64,
         slot: u64,
-    ) -> FloatTensor<Self>;
+    ) -> (FloatTensor<Self>, FloatTensor<Self>);
 
-    /// The gradients of the gated form's eight inputs, given the table's; `previous_rows`
+    /// The gradients of the gated form's eight inputs, given the table's and the forward's
+    /// `projection`; `previous_rows`
     /// (read where `with_previous_rows`) is added to the rows'. With `input_views > 0`,
     /// `input_grad [T, input_views, w]` is the gradient of the block input `u = A_in S` that the
     /// table's rows `0..input_views` make from the units (the rows): its parts of the table's
     /// and the rows' gradients are added here, for the block input's backward.
     #[fusion(meta = |rows, mixing_weights, depth_weights, gain, mixing_scale, depth_scale,
-        mixing_static, depth_static, _, _, _, _, _, _, _, _, _| (
+        mixing_static, depth_static, _, _, _, _, _, _, _, _, _, _| (
         rows.clone(),
         mixing_weights.clone(),
         depth_weights.clone(),
@@ -294,6 +306,7 @@ pub(crate) trait ConnectionTableBackend: Backend {
         depth_scale: FloatTensor<Self>,
         mixing_static: FloatTensor<Self>,
         depth_static: FloatTensor<Self>,
+        projection: FloatTensor<Self>,
         grad: FloatTensor<Self>,
         previous_rows: FloatTensor<Self>,
         with_previous_rows: bool,
@@ -315,12 +328,17 @@ pub(crate) trait ConnectionTableBackend: Backend {
     );
 
     /// The normalised form's table `[T, n + 2, n]`; `matrices [m, n²]` the mixture's where
-    /// `mixtures = m > 0`, else Sinkhorn-Knopp (and `matrices` unread).
-    #[fusion(meta = |rows, _, _, _, _, _, _, streams, _, _, _, _, _, _, _, _, _| TensorSpec::new(
-        Shape::new([rows.shape[0], *streams + 2, *streams]),
-        rows.dtype,
+    /// `mixtures = m > 0`, else Sinkhorn-Knopp (and `matrices` unread). Second, the projection
+    /// `[x_t Φ | ‖x_t‖²]` per token (`[T, 2n + r + 1]`), which the backward takes back rather
+    /// than projecting the rows again (a constant to the graph).
+    #[fusion(meta = |rows, _, _, _, _, _, _, streams, mixtures, _, _, _, _, _, _, _, _| (
+        TensorSpec::new(Shape::new([rows.shape[0], *streams + 2, *streams]), rows.dtype),
+        TensorSpec::new(
+            Shape::new([rows.shape[0], normalised_columns(*streams, *mixtures) + 1]),
+            rows.dtype,
+        ),
     ))]
-    #[allow(clippy::too_many_arguments)]
+    #[allow(clippy::too_many_arguments, clippy::type_complexity)]
     fn normalised_table(
         rows: FloatTensor<Self>,
         weights: FloatTensor<Self>,
@@ -339,13 +357,13 @@ pub(crate) trait ConnectionTableBackend: Backend {
         offset: f64,
         root_offset: f64,
         slot: u64,
-    ) -> FloatTensor<Self>;
+    ) -> (FloatTensor<Self>, FloatTensor<Self>);
 
     /// The gradients of the normalised form's six inputs (not the mixture's matrices), given
-    /// the table's; `previous_rows`, `input_grad` (`[T, 1, C]`) and `input_views` (0 or 1) as in
-    /// [`gated_table_backward`](Self::gated_table_backward).
+    /// the table's and the forward's `projection`; `previous_rows`, `input_grad` (`[T, 1, C]`)
+    /// and `input_views` (0 or 1) as in [`gated_table_backward`](Self::gated_table_backward).
     #[fusion(meta = |rows, weights, input_scale, depth_scale, residual_scale, bias, _, _, _, _, _,
-        _, _, _, _, _, _, _, _, _, _| (
+        _, _, _, _, _, _, _, _, _, _, _| (
         rows.clone(),
         weights.clone(),
         input_scale.clone(),
@@ -362,6 +380,7 @@ pub(crate) trait ConnectionTableBackend: Backend {
         residual_scale: FloatTensor<Self>,
         bias: FloatTensor<Self>,
         matrices: FloatTensor<Self>,
+        projection: FloatTensor<Self>,
         grad: FloatTensor<Self>,
         previous_rows: FloatTensor<Self>,
         with_previous_rows: bool,
@@ -384,6 +403,17 @@ pub(crate) trait ConnectionTableBackend: Backend {
         FloatTensor<Self>,
         FloatTensor<Self>,
     );
+}
+
+/// The normalised form's logits per token: `2n + n²` (Sinkhorn-Knopp) or `2n + m` (a mixture
+/// of `m` matrices).
+pub(super) fn normalised_columns(streams: usize, mixtures: usize) -> usize {
+    2 * streams
+        + if mixtures > 0 {
+            mixtures
+        } else {
+            streams * streams
+        }
 }
 
 /// The block input's gradient and its number of views, where its backward left them in the
@@ -407,7 +437,8 @@ struct GatedConstants {
 struct GatedTable;
 
 impl<B: ConnectionTableBackend> Backward<B, 8> for GatedTable {
-    type State = ([NodeId; 8], GatedConstants);
+    /// The parents, the constants and the forward's projection.
+    type State = ([NodeId; 8], GatedConstants, FloatTensor<B>);
 
     fn backward(
         self,
@@ -416,7 +447,7 @@ impl<B: ConnectionTableBackend> Backward<B, 8> for GatedTable {
         checkpointer: &mut Checkpointer,
     ) {
         let grad = grads.consume::<B>(&ops.node);
-        let (nodes, GatedConstants { tanh, scale, slot }) = ops.state;
+        let (nodes, GatedConstants { tanh, scale, slot }, projection) = ops.state;
         let [rows, mw, dw, gain, ms, ds, mst, dst] =
             nodes.map(|id| checkpointer.retrieve_node_output(id));
         // The units' gradient the next units' backward left, and the block input's gradient
@@ -433,6 +464,7 @@ impl<B: ConnectionTableBackend> Backward<B, 8> for GatedTable {
             ds,
             mst,
             dst,
+            projection,
             grad.clone(),
             previous.unwrap_or(grad),
             with_previous,
@@ -466,7 +498,8 @@ struct NormalisedConstants {
 struct NormalisedTable;
 
 impl<B: ConnectionTableBackend> Backward<B, 7> for NormalisedTable {
-    type State = ([NodeId; 7], NormalisedConstants);
+    /// The parents, the constants and the forward's projection.
+    type State = ([NodeId; 7], NormalisedConstants, FloatTensor<B>);
 
     fn backward(
         self,
@@ -475,7 +508,7 @@ impl<B: ConnectionTableBackend> Backward<B, 7> for NormalisedTable {
         checkpointer: &mut Checkpointer,
     ) {
         let grad = grads.consume::<B>(&ops.node);
-        let (nodes, k) = ops.state;
+        let (nodes, k, projection) = ops.state;
         let [
             rows,
             weights,
@@ -497,6 +530,7 @@ impl<B: ConnectionTableBackend> Backward<B, 7> for NormalisedTable {
             residual_scale,
             bias,
             matrices,
+            projection,
             grad.clone(),
             previous.unwrap_or(grad),
             with_previous,
@@ -533,7 +567,7 @@ impl<B: ConnectionTableBackend, C: CheckpointStrategy> ConnectionTableBackend fo
         offset: f64,
         floor: f64,
         slot: u64,
-    ) -> FloatTensor<Self> {
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
         let constants = GatedConstants {
             tanh,
             scale: RowScale {
@@ -544,7 +578,7 @@ impl<B: ConnectionTableBackend, C: CheckpointStrategy> ConnectionTableBackend fo
             },
             slot,
         };
-        tracked_op::<B, C, _, _>(
+        let (table, projection) = tracked_op_saving::<B, C, _, _>(
             GatedTable,
             [
                 rows,
@@ -561,8 +595,9 @@ impl<B: ConnectionTableBackend, C: CheckpointStrategy> ConnectionTableBackend fo
                     rows, mw, dw, gain, ms, ds, mst, dst, tanh, numerator, offset, floor, slot,
                 )
             },
-            |nodes, _| (nodes, constants),
-        )
+            |nodes, projection| (nodes, constants, projection),
+        );
+        (table, constant::<B, C>(projection))
     }
 
     fn gated_table_backward(
@@ -574,6 +609,7 @@ impl<B: ConnectionTableBackend, C: CheckpointStrategy> ConnectionTableBackend fo
         depth_scale: FloatTensor<Self>,
         mixing_static: FloatTensor<Self>,
         depth_static: FloatTensor<Self>,
+        projection: FloatTensor<Self>,
         grad: FloatTensor<Self>,
         previous_rows: FloatTensor<Self>,
         with_previous_rows: bool,
@@ -603,6 +639,7 @@ impl<B: ConnectionTableBackend, C: CheckpointStrategy> ConnectionTableBackend fo
             depth_scale.into_primitive(),
             mixing_static.into_primitive(),
             depth_static.into_primitive(),
+            projection.into_primitive(),
             grad.into_primitive(),
             previous_rows.into_primitive(),
             with_previous_rows,
@@ -643,7 +680,7 @@ impl<B: ConnectionTableBackend, C: CheckpointStrategy> ConnectionTableBackend fo
         offset: f64,
         root_offset: f64,
         slot: u64,
-    ) -> FloatTensor<Self> {
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
         let constants = NormalisedConstants {
             streams,
             mixtures,
@@ -656,7 +693,7 @@ impl<B: ConnectionTableBackend, C: CheckpointStrategy> ConnectionTableBackend fo
             root_offset,
             slot,
         };
-        tracked_op::<B, C, _, _>(
+        let (table, projection) = tracked_op_saving::<B, C, _, _>(
             NormalisedTable,
             [
                 rows,
@@ -688,8 +725,9 @@ impl<B: ConnectionTableBackend, C: CheckpointStrategy> ConnectionTableBackend fo
                     slot,
                 )
             },
-            |nodes, _| (nodes, constants),
-        )
+            |nodes, projection| (nodes, constants, projection),
+        );
+        (table, constant::<B, C>(projection))
     }
 
     fn normalised_table_backward(
@@ -700,6 +738,7 @@ impl<B: ConnectionTableBackend, C: CheckpointStrategy> ConnectionTableBackend fo
         residual_scale: FloatTensor<Self>,
         bias: FloatTensor<Self>,
         matrices: FloatTensor<Self>,
+        projection: FloatTensor<Self>,
         grad: FloatTensor<Self>,
         previous_rows: FloatTensor<Self>,
         with_previous_rows: bool,
@@ -731,6 +770,7 @@ impl<B: ConnectionTableBackend, C: CheckpointStrategy> ConnectionTableBackend fo
             residual_scale.into_primitive(),
             bias.into_primitive(),
             matrices.into_primitive(),
+            projection.into_primitive(),
             grad.into_primitive(),
             previous_rows.into_primitive(),
             with_previous_rows,

@@ -38,6 +38,19 @@ const TILE_SHARED_BYTES: usize = 24 * 1024;
 /// Units that stride one row in the tiled row kernels.
 const ROW_GROUP: usize = 8;
 
+/// [`ROW_GROUP`], or `BURN_CONNECTIVITY_ROW_GROUP` (a power of two from 4 to 32) where set: a
+/// tuning knob for measuring the tiled kernels on a GPU, read once per process.
+fn row_group() -> usize {
+    static GROUP: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *GROUP.get_or_init(|| {
+        std::env::var("BURN_CONNECTIVITY_ROW_GROUP")
+            .ok()
+            .and_then(|value| value.parse::<usize>().ok())
+            .filter(|group| group.is_power_of_two() && (4..=32).contains(group))
+            .unwrap_or(ROW_GROUP)
+    })
+}
+
 /// Units per cube of the tiled row kernels (at most).
 const MOST_TILE_THREADS: usize = 128;
 
@@ -76,7 +89,7 @@ impl RowTiles {
         loop {
             let tiles = Self {
                 threads,
-                group: ROW_GROUP.min(threads),
+                group: row_group().min(threads),
                 padded,
                 shared: (threads * padded).max(threads * slots),
             };
@@ -538,6 +551,66 @@ pub(crate) mod kernels {
         // The caller reuses the buffer.
         sync_cube();
         total
+    }
+
+    /// `⟨x[k], other[r]⟩` for the `views` equal parts `x[k]` of the cube's rows `first + r` of
+    /// `rows [R, w]` (as in [`tiled_projection`], without weights) with the rows of
+    /// `other [R, w / views]`: unit `r < threads / group` gets its row `first + r`'s totals in
+    /// `totals` (`threads · views` entries of `shared` used, free again on return). Each unit of a
+    /// row's group takes every `group`-th entry of `other`'s row and the `views` entries of the
+    /// row it multiplies.
+    #[cube]
+    pub(crate) fn row_view_products<E: Float>(
+        rows: &Tensor<E>,
+        other: &Tensor<E>,
+        first: usize,
+        shared: &mut Shared<[E]>,
+        totals: &mut Array<E>,
+        #[comptime] views: usize,
+        #[comptime] tiles: RowTiles,
+    ) {
+        let group = comptime!(tiles.group);
+        let unit = UNIT_POS as usize;
+        let row = first + unit / group;
+        let width = rows.shape(1);
+        let view_width = width / views;
+        let mut partial = Array::<E>::new(views);
+        #[unroll]
+        for k in 0..views {
+            partial[k] = E::new(0.0);
+        }
+        if row < rows.shape(0) {
+            let mut j = unit % group;
+            while j < view_width {
+                let o = other[row * view_width + j];
+                #[unroll]
+                for k in 0..views {
+                    partial[k] += rows[row * width + k * view_width + j] * o;
+                }
+                j += group;
+            }
+        }
+        #[unroll]
+        for k in 0..views {
+            shared[unit * views + k] = partial[k];
+        }
+        sync_cube();
+        #[unroll]
+        for k in 0..views {
+            totals[k] = E::new(0.0);
+        }
+        if unit < comptime!(tiles.threads / group) {
+            #[unroll]
+            for k in 0..views {
+                let mut total = E::new(0.0);
+                #[unroll]
+                for g in 0..group {
+                    total += shared[(unit * group + g) * views + k];
+                }
+                totals[k] = total;
+            }
+        }
+        sync_cube();
     }
 
     /// `∂x` of the cube's rows (as in [`tiled_projection`]) in one pass over the weight tiles:

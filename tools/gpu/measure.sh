@@ -16,6 +16,8 @@
 #   cuda-train      the model workload's train step on CUDA, the targets' variants
 #   cuda-forward    its forward pass
 #   cuda-profile    per-kernel times of one HC and one mHC train step (CUBECL_DEBUG_OPTION=profile)
+#   profile-groups  the same for mHC with each row group in $ROW_GROUPS (default "16 32"): the
+#                   units per row of the tiled row kernels (BURN_CONNECTIVITY_ROW_GROUP)
 #   conformance     the golden vectors on CUDA (each file's checks as it finishes)
 #   conformance-tables  the same, HC, mHC, V4 and mHC-lite only
 #   tables-train    the train step of HC and mHC on CUDA
@@ -141,6 +143,17 @@ lm_runs() {
     done >>"$OUT/lm.log"
 }
 
+# profile VARIANTS: CubeCL logs each kernel's time ("| 1.2ms | name") and a summary per sync,
+# but only to a sink a cubecl.toml in the working directory names (CUBECL_DEBUG_OPTION alone
+# sets the level and no sink).
+profile() {
+    mkdir -p /tmp/profile
+    printf '[profiling.logger]\nlevel = "basic"\nstdout = true\n' >/tmp/profile/cubecl.toml
+    (cd /tmp/profile && step 120 "${RUN[@]}" "$OLDPWD/$BIN/bench_connectivity" \
+        --device cuda --only model --runs 1 --warmup 2 --passes train-step \
+        --variants "$1") >>"$OUT/profile.log" 2>&1
+}
+
 run_stage() {
     case $1 in
     peer)
@@ -148,15 +161,12 @@ run_stage() {
             --runs 7 --warmup 3 >>"$OUT/bench.jsonl" 2>>"$OUT/bench.log" ;;
     cuda-train) bench 150 cuda train-step "$TARGETS" ;;
     cuda-forward) bench 100 cuda forward "$TARGETS" ;;
-    cuda-profile)
-        # CubeCL logs each kernel's time ("| 1.2ms | name") and a summary per sync, but only to
-        # a sink a cubecl.toml in the working directory names (CUBECL_DEBUG_OPTION alone sets
-        # the level and no sink).
-        mkdir -p /tmp/profile
-        printf '[profiling.logger]\nlevel = "basic"\nstdout = true\n' >/tmp/profile/cubecl.toml
-        (cd /tmp/profile && step 120 "${RUN[@]}" "$OLDPWD/$BIN/bench_connectivity" \
-            --device cuda --only model --runs 1 --warmup 2 --passes train-step \
-            --variants hc,mhc) >>"$OUT/profile.log" 2>&1 ;;
+    cuda-profile) profile hc,mhc ;;
+    profile-groups)
+        for group in ${ROW_GROUPS:-16 32}; do
+            echo "## row group $group" >>"$OUT/profile.log"
+            BURN_CONNECTIVITY_ROW_GROUP=$group profile mhc
+        done ;;
     conformance)
         step 240 "${RUN[@]}" $BIN/conformance --dir tests/golden --device cuda \
             >>"$OUT/conformance.log" 2>&1

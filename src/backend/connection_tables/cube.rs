@@ -7,7 +7,7 @@ use burn_cubecl::CubeBackend;
 use burn_cubecl::kernel::into_contiguous;
 use cubecl::{CubeCount, CubeDim};
 
-use super::ConnectionTableBackend;
+use super::{ConnectionTableBackend, normalised_columns};
 use crate::backend::cube_launch::{RowTiles, empty, per_item, threads_for, weights_product};
 use crate::backend::kernel_constant;
 use kernels::{
@@ -20,17 +20,6 @@ const MOST_THREADS: usize = 64;
 
 /// Units per cube of the kernels that sum over the tokens.
 const SUM_THREADS: usize = 256;
-
-/// The normalised form's logits per token: `2n + n²` (Sinkhorn-Knopp) or `2n + m` (a mixture
-/// of `m` matrices).
-fn normalised_columns(streams: usize, mixtures: usize) -> usize {
-    2 * streams
-        + if mixtures > 0 {
-            mixtures
-        } else {
-            streams * streams
-        }
-}
 
 /// Whether the normalised form's three scales come packed in one `[3]` tensor (the first),
 /// rather than as three `[1]` tensors.
@@ -61,12 +50,13 @@ impl ConnectionTableBackend for CubeBackend {
         offset: f64,
         floor: f64,
         _slot: u64,
-    ) -> FloatTensor<Self> {
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
         let rows = into_contiguous(rows);
         let [count, _] = rows.meta.shape().dims::<2>();
         let columns = mixing_weights.meta.shape()[1];
         let units = mixing_static.meta.shape()[0];
         let table = empty(&rows, Shape::new([count / units, columns + 1, units]));
+        let projection = empty(&rows, Shape::new([count, columns + 2]));
         let threads = threads_for(&rows, columns + 2, MOST_THREADS);
         let (launch_cubes, dim) = per_item(&rows, count, threads);
         gated_forward_kernel::launch(
@@ -82,6 +72,7 @@ impl ConnectionTableBackend for CubeBackend {
             into_contiguous(mixing_static).into_tensor_arg(),
             into_contiguous(depth_static).into_tensor_arg(),
             table.clone().into_tensor_arg(),
+            projection.clone().into_tensor_arg(),
             columns,
             units,
             threads,
@@ -91,7 +82,7 @@ impl ConnectionTableBackend for CubeBackend {
             kernel_constant(floor),
             dtype_to_storage_type(rows.dtype),
         );
-        table
+        (table, projection)
     }
 
     fn gated_table_backward(
@@ -103,6 +94,7 @@ impl ConnectionTableBackend for CubeBackend {
         depth_scale: FloatTensor<Self>,
         mixing_static: FloatTensor<Self>,
         _depth_static: FloatTensor<Self>,
+        projection: FloatTensor<Self>,
         grad: FloatTensor<Self>,
         previous_rows: FloatTensor<Self>,
         with_previous_rows: bool,
@@ -150,6 +142,7 @@ impl ConnectionTableBackend for CubeBackend {
             mixing_scale.clone().into_tensor_arg(),
             depth_scale.clone().into_tensor_arg(),
             into_contiguous(mixing_static.clone()).into_tensor_arg(),
+            into_contiguous(projection).into_tensor_arg(),
             grad.clone().into_tensor_arg(),
             into_contiguous(previous_rows).into_tensor_arg(),
             into_contiguous(input_grad).into_tensor_arg(),
@@ -233,11 +226,12 @@ impl ConnectionTableBackend for CubeBackend {
         offset: f64,
         root_offset: f64,
         _slot: u64,
-    ) -> FloatTensor<Self> {
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
         let rows = into_contiguous(rows);
         let tokens = rows.meta.shape()[0];
         let columns = normalised_columns(streams, mixtures);
         let table = empty(&rows, Shape::new([tokens, streams + 2, streams]));
+        let projection = empty(&rows, Shape::new([tokens, columns + 1]));
         let tiles = RowTiles::new(&rows, columns, columns + 1, 0);
         let (launch_cubes, dim) = tiles.launch(&rows, tokens);
         let packed_scales = packed(&input_scale);
@@ -254,6 +248,7 @@ impl ConnectionTableBackend for CubeBackend {
             into_contiguous(bias).into_tensor_arg(),
             into_contiguous(matrices).into_tensor_arg(),
             table.clone().into_tensor_arg(),
+            projection.clone().into_tensor_arg(),
             streams,
             mixtures,
             iterations,
@@ -268,7 +263,7 @@ impl ConnectionTableBackend for CubeBackend {
             kernel_constant(root_offset),
             dtype_to_storage_type(rows.dtype),
         );
-        table
+        (table, projection)
     }
 
     fn normalised_table_backward(
@@ -279,6 +274,7 @@ impl ConnectionTableBackend for CubeBackend {
         residual_scale: FloatTensor<Self>,
         bias: FloatTensor<Self>,
         matrices: FloatTensor<Self>,
+        projection: FloatTensor<Self>,
         grad: FloatTensor<Self>,
         previous_rows: FloatTensor<Self>,
         with_previous_rows: bool,
@@ -307,7 +303,7 @@ impl ConnectionTableBackend for CubeBackend {
         let grad_rows = empty(&rows, Shape::new([tokens, width]));
         let scaled_grad = empty(&rows, Shape::new([tokens, columns]));
         let partials = empty(&rows, Shape::new([tokens, columns + 3]));
-        let tiles = RowTiles::new(&rows, columns, columns + 1 + streams, columns + 2 + streams);
+        let tiles = RowTiles::new(&rows, columns, streams, columns + 2 + streams);
         let (launch_cubes, dim) = tiles.launch(&rows, tokens);
         let packed_scales = packed(&input_scale);
         let scale_shapes =
@@ -324,6 +320,7 @@ impl ConnectionTableBackend for CubeBackend {
             residual_scale.into_tensor_arg(),
             into_contiguous(bias).into_tensor_arg(),
             into_contiguous(matrices).into_tensor_arg(),
+            into_contiguous(projection).into_tensor_arg(),
             into_contiguous(grad).into_tensor_arg(),
             into_contiguous(previous_rows).into_tensor_arg(),
             into_contiguous(input_grad).into_tensor_arg(),
@@ -383,8 +380,8 @@ mod kernels {
 
     use crate::backend::cube_launch::RowTiles;
     use crate::backend::cube_launch::kernels::{
-        constant, cube_total, row_root, row_scale, row_slope, sum_over_cube, tiled_projection,
-        tiled_row_gradient,
+        constant, cube_total, row_root, row_scale, row_slope, row_view_products, sum_over_cube,
+        tiled_projection, tiled_row_gradient,
     };
     use crate::backend::sinkhorn::cube::kernels::{sinkhorn_backward, sinkhorn_forward};
 
@@ -464,6 +461,7 @@ mod kernels {
         mixing_static: &Tensor<E>,
         depth_static: &Tensor<E>,
         table: &mut Tensor<E>,
+        projection: &mut Tensor<E>,
         #[comptime] columns: usize,
         #[comptime] units: usize,
         #[comptime] threads: usize,
@@ -494,6 +492,12 @@ mod kernels {
             offset_bits,
             floor_bits,
         );
+        // `p` and `‖x‖²`, kept for the backward, which then projects nothing again.
+        let mut c = UNIT_POS as usize;
+        while c < comptime!(columns + 2) {
+            projection[row * comptime!(columns + 2) + c] = shared[c];
+            c += threads;
+        }
         let t = row / units;
         let q = row % units;
         let mut c = UNIT_POS as usize;
@@ -553,6 +557,7 @@ mod kernels {
         mixing_scale: &Tensor<E>,
         depth_scale: &Tensor<E>,
         mixing_static: &Tensor<E>,
+        projection: &Tensor<E>,
         grad: &Tensor<E>,
         previous_rows: &Tensor<E>,
         input_grad: &Tensor<E>,
@@ -577,18 +582,14 @@ mod kernels {
         }
         let width = rows.shape(1);
         let unit = UNIT_POS as usize;
-        let mut shared = Shared::<[E]>::new_slice(comptime!(threads * (columns + 2)));
-        gated_projection::<E>(
-            rows,
-            mixing_weights,
-            depth_weights,
-            gain,
-            row,
-            &mut shared,
-            columns,
-            threads,
-        );
-        let norm = shared[comptime!(columns + 1)].sqrt();
+        // The forward's `p` and `‖x‖²`.
+        let slots = comptime!(columns + 2);
+        let mut projected = Array::<E>::new(slots);
+        #[unroll]
+        for c in 0..slots {
+            projected[c] = projection[row * slots + c];
+        }
+        let norm = projected[comptime!(columns + 1)].sqrt();
         let scale = row_scale::<E>(norm, numerator_bits, offset_bits, floor_bits);
         let slope = row_slope::<E>(norm, scale, offset_bits, floor_bits);
         let t = row / units;
@@ -605,7 +606,7 @@ mod kernels {
         let mut mixing_sum = E::new(0.0);
         let mut depth_sum = E::new(0.0);
         for c in 0..comptime!(columns + 1) {
-            let value = activation::<E>(shared[c] * scale, tanh);
+            let value = activation::<E>(projected[c] * scale, tanh);
             let derivative = activation_slope::<E>(value, tanh);
             let mut g = grad[(t * comptime!(columns + 1) + c) * units + q];
             // (no view rows where `views` is 0)
@@ -625,7 +626,7 @@ mod kernels {
             }
             let d = g * factor * derivative;
             delta[c] = d;
-            along += shared[c] * d;
+            along += projected[c] * d;
         }
         along *= slope;
         if unit == 0 {
@@ -756,12 +757,11 @@ mod kernels {
         }
     }
 
-    /// `z = α_g · s · xΦ + c` (`columns` entries) from the summed projection at `shared[at]`.
+    /// `z = α_g · s · xΦ + c` (`columns` entries) from the row's projection `xΦ`.
     #[cube]
     #[allow(clippy::too_many_arguments)]
     fn logits<E: Float>(
-        shared: &Shared<[E]>,
-        at: usize,
+        projected: &Array<E>,
         scale: E,
         input_scale: E,
         depth_scale: E,
@@ -778,7 +778,7 @@ mod kernels {
             } else if c < 2 * n {
                 factor = depth_scale;
             }
-            z[c] = factor * scale * shared[at + c] + bias[c];
+            z[c] = factor * scale * projected[c] + bias[c];
         }
         z
     }
@@ -838,6 +838,7 @@ mod kernels {
         bias: &Tensor<E>,
         matrices: &Tensor<E>,
         table: &mut Tensor<E>,
+        projection: &mut Tensor<E>,
         #[comptime] n: usize,
         #[comptime] mixtures: usize,
         #[comptime] iterations: usize,
@@ -876,11 +877,18 @@ mod kernels {
         let row = first + unit;
         if unit < rows_per_cube && row < rows.shape(0) {
             let at = unit * comptime!(group * slots);
-            let root = row_root::<E>(shared[at + columns], root_offset_bits);
+            // `xΦ` and `‖x‖²`, kept for the backward, which then projects nothing again.
+            let mut projected = Array::<E>::new(slots);
+            #[unroll]
+            for c in 0..slots {
+                let value = shared[at + c];
+                projected[c] = value;
+                projection[row * slots + c] = value;
+            }
+            let root = row_root::<E>(projected[columns], root_offset_bits);
             let scale = row_scale::<E>(root, numerator_bits, offset_bits, 0u32);
             let z = logits::<E>(
-                &shared,
-                at,
+                &projected,
                 scale,
                 input_scale[0],
                 scale_entry::<E>(input_scale, depth_scale, 1usize, packed_scales),
@@ -928,9 +936,9 @@ mod kernels {
         }
     }
 
-    /// The forward's cubes (see [`normalised_forward_kernel`]): the projections again (with
-    /// the block input's products), one unit per row for `δ`, then `∂x` in a second pass over
-    /// the weight tiles.
+    /// The forward's cubes (see [`normalised_forward_kernel`]): the products of the rows with
+    /// the block input's gradient (the projections come saved from the forward), one unit per
+    /// row for `δ`, then `∂x` in a pass over the weight tiles.
     #[cube(launch)]
     #[allow(clippy::too_many_arguments)]
     pub(super) fn normalised_backward_kernel<E: Float>(
@@ -941,6 +949,7 @@ mod kernels {
         residual_scale: &Tensor<E>,
         bias: &Tensor<E>,
         matrices: &Tensor<E>,
+        projection: &Tensor<E>,
         grad: &Tensor<E>,
         previous_rows: &Tensor<E>,
         input_grad: &Tensor<E>,
@@ -975,32 +984,43 @@ mod kernels {
         // The block input's part of the table's gradient, ⟨∂u, x_t[k]⟩ (see `with_input`),
         // after the projection and the sum of squares.
         let views = comptime!(if with_input { n } else { 0 });
-        let slots = comptime!(columns + 1 + views);
+        let slots = comptime!(columns + 1);
         // Per row: δ·α_g (columns), s'(n)/n · (xΦ · δ), H_pre + ε_in (n), s.
         let per_row = comptime!(columns + 2 + n);
         let mut shared = Shared::<[E]>::new_slice(comptime!(tiles.shared));
         let mut steps = Shared::<[E]>::new_slice(comptime!(rows_per_cube * per_row));
-        tiled_projection::<E>(
-            rows,
-            weights,
-            input_grad,
-            first,
-            &mut shared,
-            columns,
-            views,
-            tiles,
-            contiguous_weights,
-        );
+        // The forward's `xΦ` and `‖x‖²` come saved; only the products with the block input's
+        // gradient, `⟨∂u, x_t[k]⟩`, need a pass over the rows first.
+        let mut products = Array::<E>::new(n);
+        #[unroll]
+        for k in 0..n {
+            products[k] = E::new(0.0);
+        }
+        if comptime!(with_input) {
+            row_view_products::<E>(
+                rows,
+                input_grad,
+                first,
+                &mut shared,
+                &mut products,
+                n,
+                tiles,
+            );
+        }
         let row = first + unit;
         if unit < rows_per_cube && row < tokens {
-            let at = unit * comptime!(group * slots);
+            let mut projected = Array::<E>::new(slots);
+            #[unroll]
+            for c in 0..slots {
+                projected[c] = projection[row * slots + c];
+            }
             let step_at = unit * per_row;
-            let root = row_root::<E>(shared[at + columns], root_offset_bits);
+            let root = row_root::<E>(projected[columns], root_offset_bits);
             let scale = row_scale::<E>(root, numerator_bits, offset_bits, 0u32);
             let a_in = input_scale[0];
             let a_depth = scale_entry::<E>(input_scale, depth_scale, 1usize, packed_scales);
             let a_res = scale_entry::<E>(input_scale, residual_scale, 2usize, packed_scales);
-            let z = logits::<E>(&shared, at, scale, a_in, a_depth, a_res, bias, n, columns);
+            let z = logits::<E>(&projected, scale, a_in, a_depth, a_res, bias, n, columns);
             let base = row * comptime!((n + 2) * n);
             let out = row * comptime!(columns + 3);
             let mut dz = Array::<E>::new(columns);
@@ -1008,7 +1028,7 @@ mod kernels {
                 let pre = sigmoid::<E>(z[k]);
                 let mut g = grad[base + k];
                 if comptime!(with_input) {
-                    g += shared[at + comptime!(columns + 1) + k];
+                    g += products[k];
                     steps[step_at + comptime!(columns + 1) + k] =
                         pre + constant::<E>(input_offset_bits);
                 }
@@ -1076,12 +1096,12 @@ mod kernels {
                     scalar = 1usize;
                     factor = a_depth;
                 }
-                sums[scalar] += dz[c] * scale * shared[at + c];
+                sums[scalar] += dz[c] * scale * projected[c];
                 partials[out + c] = dz[c];
                 let d = dz[c] * factor;
                 steps[step_at + c] = d;
                 scaled_grad[row * columns + c] = d * scale;
-                along += shared[at + c] * d;
+                along += projected[c] * d;
             }
             for g in 0..3usize {
                 partials[out + columns + g] = sums[g];

@@ -36,8 +36,8 @@
 //! source), as in `attn-res`'s block-boundary handling.
 //!
 //! A source's logits for every query are one normalised projection (`rms(v) [w_1 … w_Q]`, one
-//! fused op each way on Flex); each mixture's weighted sum is one fused op each way on Flex, and
-//! the softmax a tensor op.
+//! fused op each way on Flex); each mixture's weighted sum is one fused op each way on Flex and
+//! a kernel each way per eight sources on the CubeCL backends, and the softmax a tensor op.
 //!
 //! # Shapes
 //! - input, block inputs, branches and output: `[..., d]` (any rank, last axis the width `d`)

@@ -33,8 +33,8 @@
 //! token whose dynamic term vanishes.
 //!
 //! The weights' first layer `rms(X) W1` is the normalised projection op, and each way's mixture
-//! `Σ_j A[c, j] X_j` is the per-token mixture op (one fused op each way on Flex, for both); the
-//! rest are tensor ops.
+//! `Σ_j A[c, j] X_j` is the per-token mixture op (one fused op each way on Flex, for both; a
+//! kernel each way per eight states on the CubeCL backends); the rest are tensor ops.
 //!
 //! # Shapes
 //! - input, block inputs and outputs: `[..., d]`
@@ -205,7 +205,7 @@ impl<const D: usize> MuddState<D> {
     }
 }
 
-/// `Σ_j A[c, j] X_j` for the weights `[..., C·n]` of `n` states (one fused op on Flex).
+/// `Σ_j A[c, j] X_j` for the weights `[..., C·n]` of `n` states (the per-token mixture op).
 fn mix<const D: usize>(states: &[Tensor<D>], weights: &Tensor<D>, way: usize) -> Tensor<D> {
     let count = states.len();
     let weights = weights.clone().narrow(D - 1, way * count, count);

@@ -1,5 +1,7 @@
 //! A weighted sum of states with weights per token, as one op forward and one backward on Flex
-//! (f32, f64); the composed tensor-op form elsewhere. AttnRes's and MUDD's mixtures.
+//! (f32, f64), as a chain of ops of up to eight states each on the CubeCL backends (a kernel
+//! each way per eight states, see [`parts`]); the composed tensor-op form elsewhere. AttnRes's
+//! and MUDD's mixtures.
 //!
 //! For weights `W` `[..., K]` and states `x_0 … x_{K−1}` `[..., d]` (rows `t`):
 //!
@@ -41,17 +43,19 @@ pub(crate) fn token_mix<const D: usize>(weights: Tensor<D>, states: Vec<Tensor<D
         count,
         "token mix: one weight per state"
     );
-    #[cfg(feature = "flex")]
+    #[cfg(any(feature = "flex", feature = "cube-kernels"))]
     {
         let shape = states[0].dims();
         let same_shapes = states.iter().all(|state| state.dims() == shape)
-            && weights.dims()[..D - 1] == shape[..D - 1];
-        if count <= MAX_STATES
-            && same_shapes
-            && super::has_fused_flex_ops(&states[0])
-            && weights.dtype() == states[0].dtype()
-        {
+            && weights.dims()[..D - 1] == shape[..D - 1]
+            && weights.dtype() == states[0].dtype();
+        #[cfg(feature = "flex")]
+        if count <= MAX_STATES && same_shapes && super::has_fused_flex_ops(&states[0]) {
             return flex::token_mix(weights, states);
+        }
+        #[cfg(feature = "cube-kernels")]
+        if same_shapes && super::is_cube(&states[0].device()) && states[0].dtype().is_float() {
+            return parts::token_mix(weights, states);
         }
     }
     composed(weights, states)
@@ -65,6 +69,376 @@ pub(crate) fn composed<const D: usize>(weights: Tensor<D>, states: Vec<Tensor<D>
         .map(|(k, state)| weights.clone().narrow(D - 1, k, 1) * state)
         .reduce(|sum, term| sum + term)
         .expect("at least one state")
+}
+
+#[cfg(feature = "cube-kernels")]
+mod cube;
+#[cfg(feature = "cube-kernels")]
+use parts::{PART, TokenMixPartBackend};
+
+/// The mixture on the CubeCL backends as a chain of parts of up to [`PART`] states, each one op
+/// (`m ← m + Σ_{k ∈ part} W[:, k] x_k`) with its own backward, which writes every state's
+/// gradient so far plus its term in the pass that computes `∂W` (as on Flex). A part has a
+/// fixed number of tensor inputs, as Burn's fusion needs; a mixture of `K` states is
+/// `⌈K / 8⌉` kernels forward and as many backward (fewer states a launch where the device
+/// binds fewer buffers). `∂W` comes from each part whole, zero outside the part's columns.
+#[cfg(feature = "cube-kernels")]
+mod parts {
+    use burn::backend::autodiff::Autodiff;
+    use burn::backend::autodiff::checkpoint::base::Checkpointer;
+    use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
+    use burn::backend::autodiff::grads::Gradients;
+    use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
+    use burn::backend::fusion::custom::TensorSpec;
+    use burn::backend::tensor::FloatTensor;
+    use burn::backend::{Backend, Dispatch, backend_extension};
+    use burn::prelude::*;
+
+    use super::super::autodiff::constant;
+    use super::super::cube_launch::placeholder_spec;
+
+    /// States per part.
+    pub(crate) const PART: usize = 8;
+
+    /// The spec of state `k`'s gradient: its own where wanted, else a placeholder.
+    fn state_grad_spec(state: &TensorSpec, wanted: u32, k: usize) -> TensorSpec {
+        if wanted >> k & 1 == 1 {
+            state.clone()
+        } else {
+            placeholder_spec(state)
+        }
+    }
+
+    /// A part of the mixture (see [`parts`](self)).
+    #[backend_extension(
+        Cube: cfg(feature = "cube-kernels"),
+        Fusion: cfg(feature = "cube-kernels"),
+        Autodiff
+    )]
+    pub(crate) trait TokenMixPartBackend: Backend {
+        /// `(sum) + Σ_{k < count} W[..., first + k] s_k` for `W [..., K]` and states
+        /// `[..., d]`; the slots past `count` are unread (the caller repeats `W` there), and so is
+        /// `accumulator` unless `accumulate`.
+        #[fusion(meta = |_, _, s0, _, _, _, _, _, _, _, _, _, _| s0.clone())]
+        #[allow(clippy::too_many_arguments)]
+        fn token_mix_part(
+            weights: FloatTensor<Self>,
+            accumulator: FloatTensor<Self>,
+            s0: FloatTensor<Self>,
+            s1: FloatTensor<Self>,
+            s2: FloatTensor<Self>,
+            s3: FloatTensor<Self>,
+            s4: FloatTensor<Self>,
+            s5: FloatTensor<Self>,
+            s6: FloatTensor<Self>,
+            s7: FloatTensor<Self>,
+            first: usize,
+            count: usize,
+            accumulate: bool,
+        ) -> FloatTensor<Self>;
+
+        /// `(∂s_0, …, ∂s_7, ∂W)` of a part given `grad = ∂m`: `∂s_k = f_k + W[..., first + k] ∂m`
+        /// where bit `k` of `wanted` is set (`f_k`, the gradient so far, only where bit `k` of
+        /// `sofar` is set), else a `[1]` placeholder; `∂W[..., first + k] = ⟨∂m, s_k⟩`, zero in
+        /// the columns outside the part.
+        #[fusion(meta = |weights, _, s0, s1, s2, s3, s4, s5, s6, s7, _, _, _, _, _, _, _, _, _, _,
+            _, wanted| (
+            state_grad_spec(s0, *wanted, 0),
+            state_grad_spec(s1, *wanted, 1),
+            state_grad_spec(s2, *wanted, 2),
+            state_grad_spec(s3, *wanted, 3),
+            state_grad_spec(s4, *wanted, 4),
+            state_grad_spec(s5, *wanted, 5),
+            state_grad_spec(s6, *wanted, 6),
+            state_grad_spec(s7, *wanted, 7),
+            weights.clone(),
+        ))]
+        #[allow(clippy::too_many_arguments, clippy::type_complexity)]
+        fn token_mix_part_backward(
+            weights: FloatTensor<Self>,
+            grad: FloatTensor<Self>,
+            s0: FloatTensor<Self>,
+            s1: FloatTensor<Self>,
+            s2: FloatTensor<Self>,
+            s3: FloatTensor<Self>,
+            s4: FloatTensor<Self>,
+            s5: FloatTensor<Self>,
+            s6: FloatTensor<Self>,
+            s7: FloatTensor<Self>,
+            f0: FloatTensor<Self>,
+            f1: FloatTensor<Self>,
+            f2: FloatTensor<Self>,
+            f3: FloatTensor<Self>,
+            f4: FloatTensor<Self>,
+            f5: FloatTensor<Self>,
+            f6: FloatTensor<Self>,
+            f7: FloatTensor<Self>,
+            first: usize,
+            count: usize,
+            sofar: u32,
+            wanted: u32,
+        ) -> (
+            FloatTensor<Self>,
+            FloatTensor<Self>,
+            FloatTensor<Self>,
+            FloatTensor<Self>,
+            FloatTensor<Self>,
+            FloatTensor<Self>,
+            FloatTensor<Self>,
+            FloatTensor<Self>,
+            FloatTensor<Self>,
+        );
+    }
+
+    /// The mixture as a chain of parts (see [`parts`](self)).
+    pub(super) fn token_mix<const D: usize>(
+        weights: Tensor<D>,
+        states: Vec<Tensor<D>>,
+    ) -> Tensor<D> {
+        let mut sum: Option<Tensor<D>> = None;
+        for (part, chunk) in states.chunks(PART).enumerate() {
+            let slot = |k: usize| chunk.get(k).unwrap_or(&weights).clone().into_dispatch();
+            let accumulator = sum.clone().unwrap_or_else(|| weights.clone());
+            let mixed = <Dispatch as TokenMixPartBackend>::token_mix_part(
+                weights.clone().into_dispatch(),
+                accumulator.into_dispatch(),
+                slot(0),
+                slot(1),
+                slot(2),
+                slot(3),
+                slot(4),
+                slot(5),
+                slot(6),
+                slot(7),
+                part * PART,
+                chunk.len(),
+                sum.is_some(),
+            );
+            sum = Some(Tensor::from_dispatch(mixed));
+        }
+        sum.expect("at least one state")
+    }
+
+    /// A part under autodiff: parents `[W, sum, s_0, …, s_7]` (`W` repeated in the unused).
+    #[derive(Debug)]
+    struct FusedPart;
+
+    /// What a part's backward keeps: `W` and its states, their autodiff tensors (whose
+    /// gradients so far it takes over), where its columns start, whether it adds to a sum.
+    #[derive(Debug, Clone)]
+    struct Kept<B: Backend> {
+        weights: FloatTensor<B>,
+        states: Vec<FloatTensor<B>>,
+        nodes: Vec<FloatTensor<Autodiff<B>>>,
+        first: usize,
+        accumulate: bool,
+    }
+
+    impl<B: TokenMixPartBackend> Backward<B, 10> for FusedPart {
+        type State = Kept<B>;
+
+        fn backward(
+            self,
+            ops: Ops<Self::State, 10>,
+            grads: &mut Gradients,
+            _checkpointer: &mut Checkpointer,
+        ) {
+            let Kept {
+                weights,
+                states,
+                nodes,
+                first,
+                accumulate,
+            } = ops.state;
+            let count = states.len();
+            let grad = grads.consume::<B>(&ops.node);
+            let tracked: Vec<bool> = (0..count).map(|k| ops.parents[2 + k].is_some()).collect();
+            // Each tracked state's gradient so far leaves the container and comes back with
+            // this part's term added in the same pass (as on Flex).
+            let mut sofar_mask = 0u32;
+            let mut wanted = 0u32;
+            let mut sofar: Vec<FloatTensor<B>> = Vec::with_capacity(PART);
+            for (k, node) in nodes.iter().enumerate() {
+                let taken = if tracked[k] {
+                    wanted |= 1 << k;
+                    grads.remove::<B>(node)
+                } else {
+                    None
+                };
+                if taken.is_some() {
+                    sofar_mask |= 1 << k;
+                }
+                sofar.push(taken.unwrap_or_else(|| grad.clone()));
+            }
+            let pad = |mut tensors: Vec<FloatTensor<B>>| {
+                tensors.resize(PART, grad.clone());
+                let [a, b, c, d, e, f, g, h]: [FloatTensor<B>; PART] =
+                    tensors.try_into().expect("eight slots");
+                [a, b, c, d, e, f, g, h]
+            };
+            let [s0, s1, s2, s3, s4, s5, s6, s7] = pad(states);
+            let [f0, f1, f2, f3, f4, f5, f6, f7] = pad(sofar);
+            let (g0, g1, g2, g3, g4, g5, g6, g7, weight_grad) = B::token_mix_part_backward(
+                weights,
+                grad.clone(),
+                s0,
+                s1,
+                s2,
+                s3,
+                s4,
+                s5,
+                s6,
+                s7,
+                f0,
+                f1,
+                f2,
+                f3,
+                f4,
+                f5,
+                f6,
+                f7,
+                first,
+                count,
+                sofar_mask,
+                wanted,
+            );
+            for ((node, state_grad), tracked) in nodes
+                .iter()
+                .zip([g0, g1, g2, g3, g4, g5, g6, g7])
+                .zip(tracked)
+            {
+                if tracked {
+                    grads.register::<B>(node.node().id(), state_grad);
+                }
+            }
+            if let Some(parent) = &ops.parents[0] {
+                grads.register::<B>(parent.id, weight_grad);
+            }
+            if accumulate && let Some(parent) = &ops.parents[1] {
+                grads.register::<B>(parent.id, grad);
+            }
+        }
+    }
+
+    impl<B: TokenMixPartBackend, C: CheckpointStrategy> TokenMixPartBackend for Autodiff<B, C> {
+        fn token_mix_part(
+            weights: FloatTensor<Self>,
+            accumulator: FloatTensor<Self>,
+            s0: FloatTensor<Self>,
+            s1: FloatTensor<Self>,
+            s2: FloatTensor<Self>,
+            s3: FloatTensor<Self>,
+            s4: FloatTensor<Self>,
+            s5: FloatTensor<Self>,
+            s6: FloatTensor<Self>,
+            s7: FloatTensor<Self>,
+            first: usize,
+            count: usize,
+            accumulate: bool,
+        ) -> FloatTensor<Self> {
+            let parents = [weights, accumulator, s0, s1, s2, s3, s4, s5, s6, s7];
+            let nodes = parents.each_ref().map(|parent| parent.node());
+            let kept_nodes: Vec<FloatTensor<Self>> = parents[2..2 + count].to_vec();
+            let [w, a, s0, s1, s2, s3, s4, s5, s6, s7] =
+                parents.map(|parent| parent.into_primitive());
+            let mixed = |w, a, s0, s1, s2, s3, s4, s5, s6, s7| {
+                B::token_mix_part(
+                    w, a, s0, s1, s2, s3, s4, s5, s6, s7, first, count, accumulate,
+                )
+            };
+            match FusedPart.prepare::<C>(nodes).compute_bound().stateful() {
+                OpsKind::Tracked(prep) => {
+                    let kept = Kept {
+                        weights: w.clone(),
+                        states: [&s0, &s1, &s2, &s3, &s4, &s5, &s6, &s7][..count]
+                            .iter()
+                            .map(|state| (*state).clone())
+                            .collect(),
+                        nodes: kept_nodes,
+                        first,
+                        accumulate,
+                    };
+                    prep.finish(kept, mixed(w, a, s0, s1, s2, s3, s4, s5, s6, s7))
+                }
+                OpsKind::UnTracked(prep) => {
+                    prep.finish(mixed(w, a, s0, s1, s2, s3, s4, s5, s6, s7))
+                }
+            }
+        }
+
+        fn token_mix_part_backward(
+            weights: FloatTensor<Self>,
+            grad: FloatTensor<Self>,
+            s0: FloatTensor<Self>,
+            s1: FloatTensor<Self>,
+            s2: FloatTensor<Self>,
+            s3: FloatTensor<Self>,
+            s4: FloatTensor<Self>,
+            s5: FloatTensor<Self>,
+            s6: FloatTensor<Self>,
+            s7: FloatTensor<Self>,
+            f0: FloatTensor<Self>,
+            f1: FloatTensor<Self>,
+            f2: FloatTensor<Self>,
+            f3: FloatTensor<Self>,
+            f4: FloatTensor<Self>,
+            f5: FloatTensor<Self>,
+            f6: FloatTensor<Self>,
+            f7: FloatTensor<Self>,
+            first: usize,
+            count: usize,
+            sofar: u32,
+            wanted: u32,
+        ) -> (
+            FloatTensor<Self>,
+            FloatTensor<Self>,
+            FloatTensor<Self>,
+            FloatTensor<Self>,
+            FloatTensor<Self>,
+            FloatTensor<Self>,
+            FloatTensor<Self>,
+            FloatTensor<Self>,
+            FloatTensor<Self>,
+        ) {
+            let inner = |tensor: FloatTensor<Self>| tensor.into_primitive();
+            // First-order only: the gradients are constants to the graph.
+            let (a, b, c, d, e, f, g, h, w) = B::token_mix_part_backward(
+                inner(weights),
+                inner(grad),
+                inner(s0),
+                inner(s1),
+                inner(s2),
+                inner(s3),
+                inner(s4),
+                inner(s5),
+                inner(s6),
+                inner(s7),
+                inner(f0),
+                inner(f1),
+                inner(f2),
+                inner(f3),
+                inner(f4),
+                inner(f5),
+                inner(f6),
+                inner(f7),
+                first,
+                count,
+                sofar,
+                wanted,
+            );
+            (
+                constant::<B, C>(a),
+                constant::<B, C>(b),
+                constant::<B, C>(c),
+                constant::<B, C>(d),
+                constant::<B, C>(e),
+                constant::<B, C>(f),
+                constant::<B, C>(g),
+                constant::<B, C>(h),
+                constant::<B, C>(w),
+            )
+        }
+    }
 }
 
 #[cfg(feature = "flex")]
@@ -523,26 +897,24 @@ mod flex {
     }
 }
 
-#[cfg(all(test, feature = "flex"))]
+#[cfg(all(test, any(feature = "flex", feature = "cube-kernels")))]
 mod tests {
     use burn::prelude::*;
     use burn::tensor::{Distribution, FloatDType, Tolerance};
 
-    /// The fused op equals the composed form on Flex, values and the gradients of the weights
-    /// and of every tracked state, in f32 and f64, for mixtures of 1 to 40 states (every parent
-    /// count class), with an untracked state, the same state twice, and weights that are a
-    /// narrow of a wider tensor (a non-contiguous input).
-    #[test]
-    fn fused_equals_composed() {
-        let device = Device::flex().autodiff();
-        for dtype in [FloatDType::F32, FloatDType::F64] {
-            for count in [1, 2, 3, 7, 15, 31, 40] {
+    /// The fused op equals the composed form on `device` (an autodiff device), values and the
+    /// gradients of the weights and of every tracked state, for mixtures of `counts` states,
+    /// with an untracked state, the same state twice, and weights that are a narrow of a wider
+    /// tensor (a non-contiguous input).
+    fn fused_equals_composed(device: &Device, dtypes: &[FloatDType], counts: &[usize]) {
+        for &dtype in dtypes {
+            for &count in counts {
                 let normal = Distribution::Normal(0.0, 1.0);
                 let leaves: Vec<Tensor<3>> = (0..count)
-                    .map(|_| Tensor::<3>::random([2, 9, 20], normal, &device).cast(dtype))
+                    .map(|_| Tensor::<3>::random([2, 9, 20], normal, device).cast(dtype))
                     .collect();
-                let wide = Tensor::<3>::random([2, 9, count + 3], normal, &device).cast(dtype);
-                let probe = Tensor::<3>::random([2, 9, 20], normal, &device).cast(dtype);
+                let wide = Tensor::<3>::random([2, 9, count + 3], normal, device).cast(dtype);
+                let probe = Tensor::<3>::random([2, 9, 20], normal, device).cast(dtype);
                 let run = |fused: bool| {
                     let wide = wide.clone().require_grad();
                     // State 0 needs no gradient; the last state repeats state 1 where there are
@@ -592,7 +964,38 @@ mod tests {
         }
     }
 
+    /// On Flex, f32 and f64, 1 to 40 states (every parent count class).
+    #[cfg(feature = "flex")]
+    #[test]
+    fn fused_equals_composed_on_flex() {
+        fused_equals_composed(
+            &Device::flex().autodiff(),
+            &[FloatDType::F32, FloatDType::F64],
+            &[1, 2, 3, 7, 15, 31, 40],
+        );
+    }
+
+    /// Through the CubeCL kernels on wgpu: one part, a full part, and chains of two and three
+    /// parts (the sums so far, `∂W` from each part); then the same through the one-slot backward
+    /// kernel that a device binding fewer buffers takes.
+    #[cfg(feature = "wgpu")]
+    #[test]
+    fn kernels_equal_composed_on_wgpu() {
+        use std::sync::atomic::Ordering;
+        let launches = || super::cube::BACKWARD_LAUNCHES.load(Ordering::Relaxed);
+        let device = crate::test_util::wgpu_autodiff();
+        let before = launches();
+        let counts = [1, 3, 8, 9, 19];
+        fused_equals_composed(&device, &[FloatDType::F32], &counts);
+        // One backward per part: 1 + 1 + 1 + 2 + 3 (more where other tests run beside).
+        assert!(launches() >= before + 8, "the kernels ran");
+        super::cube::one_slot_backward(true);
+        fused_equals_composed(&device, &[FloatDType::F32], &[3, 9]);
+        super::cube::one_slot_backward(false);
+    }
+
     /// Without autodiff the op runs the forward alone, equal to the composed form.
+    #[cfg(feature = "flex")]
     #[test]
     fn forward_without_autodiff() {
         let device = Device::flex();

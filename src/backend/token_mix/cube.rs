@@ -1,0 +1,574 @@
+//! The token mix on the CubeCL backends, a part of up to [`PART`] states at a time (see the
+//! parent module): one kernel forward, one backward.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use burn::backend::cubecl::dtype_to_storage_type;
+use burn::backend::tensor::FloatTensor;
+use burn::tensor::Shape;
+use burn_cubecl::CubeBackend;
+use burn_cubecl::kernel::into_contiguous;
+use burn_cubecl::tensor::CubeTensor;
+use cubecl::{CubeCount, CubeDim, calculate_cube_count_elemwise};
+
+use super::{PART, TokenMixPartBackend};
+use crate::backend::cube_launch::{empty, threads_for};
+use kernels::{part_backward_kernel, part_forward_kernel, single_backward_kernel};
+
+/// Takes the one-slot backward kernel whatever the device binds (for the tests).
+static ONE_SLOT: AtomicBool = AtomicBool::new(false);
+
+/// Backward launches so far (for the tests: that the kernels, not the composed form, ran).
+#[cfg(test)]
+pub(super) static BACKWARD_LAUNCHES: std::sync::atomic::AtomicUsize =
+    std::sync::atomic::AtomicUsize::new(0);
+
+/// Makes the backward take the one-slot kernel (`true`) or choose by the device (`false`).
+#[cfg(test)]
+pub(super) fn one_slot_backward(on: bool) {
+    ONE_SLOT.store(on, Ordering::Relaxed);
+}
+
+/// Units per cube of the backward kernel (at most): one cube per token row.
+const MOST_THREADS: usize = 256;
+
+/// `(tokens, width)` of `[..., width]`, and its last axis.
+fn rows_and_width(tensor: &CubeTensor) -> (usize, usize) {
+    let shape = tensor.meta.shape();
+    let width = shape[shape.num_dims() - 1];
+    (shape.num_elements() / width.max(1), width)
+}
+
+/// Buffers the backward kernel binds: the weights, `∂m`, `∂W` and per slot its state, its
+/// gradient so far and its own gradient (placeholders where unused).
+const BACKWARD_BINDINGS: usize = 3 + 3 * PART;
+
+impl TokenMixPartBackend for CubeBackend {
+    fn token_mix_part(
+        weights: FloatTensor<Self>,
+        accumulator: FloatTensor<Self>,
+        s0: FloatTensor<Self>,
+        s1: FloatTensor<Self>,
+        s2: FloatTensor<Self>,
+        s3: FloatTensor<Self>,
+        s4: FloatTensor<Self>,
+        s5: FloatTensor<Self>,
+        s6: FloatTensor<Self>,
+        s7: FloatTensor<Self>,
+        first: usize,
+        count: usize,
+        accumulate: bool,
+    ) -> FloatTensor<Self> {
+        let states: Vec<CubeTensor> = [s0, s1, s2, s3, s4, s5, s6, s7]
+            .into_iter()
+            .take(count)
+            .map(into_contiguous)
+            .collect();
+        let weights = into_contiguous(weights);
+        let columns = weights.meta.shape()[weights.meta.shape().num_dims() - 1];
+        let (_, width) = rows_and_width(&states[0]);
+        let shape = states[0].meta.shape().clone();
+        let len = shape.num_elements();
+        let dim = CubeDim::new(&states[0].client, len);
+        let cubes = calculate_cube_count_elemwise(&states[0].client, len, dim);
+        // One launch: eleven bindings.
+        let per_launch = PART;
+        let mut sum = accumulate.then(|| into_contiguous(accumulator));
+        for (launch, chunk) in states.chunks(per_launch).enumerate() {
+            let output = empty(&chunk[0], shape.clone());
+            let slot = |k: usize| {
+                chunk
+                    .get(k)
+                    .cloned()
+                    .unwrap_or_else(|| empty(&chunk[0], Shape::new([1])))
+                    .into_tensor_arg()
+            };
+            let with_sum = sum.is_some();
+            // Without a sum so far, a buffer of its own stands in for it, unread.
+            let previous = sum
+                .take()
+                .unwrap_or_else(|| empty(&chunk[0], Shape::new([1])));
+            part_forward_kernel::launch(
+                &chunk[0].client,
+                cubes.clone(),
+                dim,
+                weights.clone().into_tensor_arg(),
+                previous.into_tensor_arg(),
+                slot(0),
+                slot(1),
+                slot(2),
+                slot(3),
+                slot(4),
+                slot(5),
+                slot(6),
+                slot(7),
+                output.clone().into_tensor_arg(),
+                width,
+                columns,
+                first + launch * per_launch,
+                chunk.len(),
+                with_sum,
+                dtype_to_storage_type(chunk[0].dtype),
+            );
+            sum = Some(output);
+        }
+        sum.expect("at least one state")
+    }
+
+    fn token_mix_part_backward(
+        weights: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        s0: FloatTensor<Self>,
+        s1: FloatTensor<Self>,
+        s2: FloatTensor<Self>,
+        s3: FloatTensor<Self>,
+        s4: FloatTensor<Self>,
+        s5: FloatTensor<Self>,
+        s6: FloatTensor<Self>,
+        s7: FloatTensor<Self>,
+        f0: FloatTensor<Self>,
+        f1: FloatTensor<Self>,
+        f2: FloatTensor<Self>,
+        f3: FloatTensor<Self>,
+        f4: FloatTensor<Self>,
+        f5: FloatTensor<Self>,
+        f6: FloatTensor<Self>,
+        f7: FloatTensor<Self>,
+        first: usize,
+        count: usize,
+        sofar: u32,
+        wanted: u32,
+    ) -> (
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+    ) {
+        let grad = into_contiguous(grad);
+        let weights = into_contiguous(weights);
+        let weight_shape = weights.meta.shape().clone();
+        let columns = weight_shape[weight_shape.num_dims() - 1];
+        let (tokens, width) = rows_and_width(&grad);
+        let states: Vec<CubeTensor> = [s0, s1, s2, s3, s4, s5, s6, s7]
+            .into_iter()
+            .take(count)
+            .map(into_contiguous)
+            .collect();
+        let has = |mask: u32, k: usize| mask >> k & 1 == 1;
+        let sofar_mask = sofar;
+        let sofar: Vec<CubeTensor> = [f0, f1, f2, f3, f4, f5, f6, f7]
+            .into_iter()
+            .take(count)
+            .enumerate()
+            .map(|(k, tensor)| {
+                if has(sofar_mask, k) {
+                    into_contiguous(tensor)
+                } else {
+                    // Unread: a buffer of its own rather than a second binding of another.
+                    empty(&grad, Shape::new([1]))
+                }
+            })
+            .collect();
+        let state_grads: Vec<CubeTensor> = (0..PART)
+            .map(|k| {
+                if k < count && has(wanted, k) {
+                    empty(&grad, grad.meta.shape().clone())
+                } else {
+                    empty(&grad, Shape::new([1]))
+                }
+            })
+            .collect();
+        let weight_grad = empty(&grad, weight_shape);
+        let cubes = CubeCount::Static(tokens as u32, 1, 1);
+        #[cfg(test)]
+        BACKWARD_LAUNCHES.fetch_add(1, Ordering::Relaxed);
+        // One binding more for CubeCL's own metadata buffer.
+        let binds_all = grad.client.properties().hardware.max_bindings as usize > BACKWARD_BINDINGS
+            && !ONE_SLOT.load(Ordering::Relaxed);
+        if binds_all {
+            let threads = threads_for(&grad, PART.min(count), MOST_THREADS);
+            let dim = CubeDim::new_1d(threads as u32);
+            // The slots past `count`: placeholders of their own, unread.
+            let placeholder = || empty(&grad, Shape::new([1]));
+            let state = |k: usize| states.get(k).cloned().unwrap_or_else(placeholder);
+            let so_far = |k: usize| sofar.get(k).cloned().unwrap_or_else(placeholder);
+            let state = |k: usize| state(k).into_tensor_arg();
+            let so_far = |k: usize| so_far(k).into_tensor_arg();
+            let state_grad = |k: usize| state_grads[k].clone().into_tensor_arg();
+            part_backward_kernel::launch(
+                &grad.client,
+                cubes.clone(),
+                dim,
+                weights.clone().into_tensor_arg(),
+                grad.clone().into_tensor_arg(),
+                state(0),
+                state(1),
+                state(2),
+                state(3),
+                state(4),
+                state(5),
+                state(6),
+                state(7),
+                so_far(0),
+                so_far(1),
+                so_far(2),
+                so_far(3),
+                so_far(4),
+                so_far(5),
+                so_far(6),
+                so_far(7),
+                state_grad(0),
+                state_grad(1),
+                state_grad(2),
+                state_grad(3),
+                state_grad(4),
+                state_grad(5),
+                state_grad(6),
+                state_grad(7),
+                weight_grad.clone().into_tensor_arg(),
+                width,
+                columns,
+                first,
+                first,
+                first + count,
+                sofar_mask,
+                wanted,
+                count,
+                true,
+                threads,
+                dtype_to_storage_type(grad.dtype),
+            );
+        } else {
+            let threads = threads_for(&grad, 1, MOST_THREADS);
+            for k in 0..count {
+                single_backward_kernel::launch(
+                    &grad.client,
+                    cubes.clone(),
+                    CubeDim::new_1d(threads as u32),
+                    weights.clone().into_tensor_arg(),
+                    grad.clone().into_tensor_arg(),
+                    states[k].clone().into_tensor_arg(),
+                    sofar[k].clone().into_tensor_arg(),
+                    state_grads[k].clone().into_tensor_arg(),
+                    weight_grad.clone().into_tensor_arg(),
+                    width,
+                    columns,
+                    first + k,
+                    first,
+                    first + count,
+                    sofar_mask >> k,
+                    wanted >> k,
+                    1,
+                    k == 0,
+                    threads,
+                    dtype_to_storage_type(grad.dtype),
+                );
+            }
+        }
+        let [g0, g1, g2, g3, g4, g5, g6, g7]: [CubeTensor; PART] =
+            state_grads.try_into().expect("one per slot");
+        (g0, g1, g2, g3, g4, g5, g6, g7, weight_grad)
+    }
+}
+
+mod kernels {
+    use cubecl::prelude::*;
+
+    use crate::backend::cube_launch::kernels::sum_over_cube;
+
+    /// `m[i] = (sum[i]) + Σ_{k < count} W[t, first + k] s_k[i]` (`t = i / width`), one unit per
+    /// entry. (Eight tensor arguments rather than a sequence: CubeCL 0.11 has no sequence of
+    /// tensors.)
+    #[cube(launch)]
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn part_forward_kernel<E: Float>(
+        weights: &Tensor<E>,
+        sum: &Tensor<E>,
+        s0: &Tensor<E>,
+        s1: &Tensor<E>,
+        s2: &Tensor<E>,
+        s3: &Tensor<E>,
+        s4: &Tensor<E>,
+        s5: &Tensor<E>,
+        s6: &Tensor<E>,
+        s7: &Tensor<E>,
+        output: &mut Tensor<E>,
+        width: usize,
+        columns: usize,
+        first: usize,
+        #[comptime] count: usize,
+        #[comptime] with_sum: bool,
+        #[define(E)] _dtype: ElemType,
+    ) {
+        let i = ABSOLUTE_POS;
+        if i >= output.len() {
+            terminate!();
+        }
+        let row = (i / width) * columns + first;
+        let mut total = E::new(0.0);
+        if comptime!(with_sum) {
+            total = sum[i];
+        }
+        if comptime!(count > 0) {
+            total += weights[row + 0] * s0[i];
+        }
+        if comptime!(count > 1) {
+            total += weights[row + 1] * s1[i];
+        }
+        if comptime!(count > 2) {
+            total += weights[row + 2] * s2[i];
+        }
+        if comptime!(count > 3) {
+            total += weights[row + 3] * s3[i];
+        }
+        if comptime!(count > 4) {
+            total += weights[row + 4] * s4[i];
+        }
+        if comptime!(count > 5) {
+            total += weights[row + 5] * s5[i];
+        }
+        if comptime!(count > 6) {
+            total += weights[row + 6] * s6[i];
+        }
+        if comptime!(count > 7) {
+            total += weights[row + 7] * s7[i];
+        }
+        output[i] = total;
+    }
+
+    /// One cube per token row `t`: `∂W[t, first + k] = ⟨∂m[t], s_k[t]⟩` for `k < count` (and 0
+    /// in the columns outside the part's `part_first .. part_end` where `zero_others`), and
+    /// where bit `k` of `wanted_mask` is set, `g_k[t] = (f_k[t]) + W[t, first + k] ∂m[t]`
+    /// (`f_k`, the gradient so far, where bit `k` of `sofar_mask` is set).
+    #[cube(launch)]
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn part_backward_kernel<E: Float>(
+        weights: &Tensor<E>,
+        grad: &Tensor<E>,
+        s0: &Tensor<E>,
+        s1: &Tensor<E>,
+        s2: &Tensor<E>,
+        s3: &Tensor<E>,
+        s4: &Tensor<E>,
+        s5: &Tensor<E>,
+        s6: &Tensor<E>,
+        s7: &Tensor<E>,
+        f0: &Tensor<E>,
+        f1: &Tensor<E>,
+        f2: &Tensor<E>,
+        f3: &Tensor<E>,
+        f4: &Tensor<E>,
+        f5: &Tensor<E>,
+        f6: &Tensor<E>,
+        f7: &Tensor<E>,
+        g0: &mut Tensor<E>,
+        g1: &mut Tensor<E>,
+        g2: &mut Tensor<E>,
+        g3: &mut Tensor<E>,
+        g4: &mut Tensor<E>,
+        g5: &mut Tensor<E>,
+        g6: &mut Tensor<E>,
+        g7: &mut Tensor<E>,
+        weight_grad: &mut Tensor<E>,
+        width: usize,
+        columns: usize,
+        first: usize,
+        part_first: usize,
+        part_end: usize,
+        sofar_mask: u32,
+        wanted_mask: u32,
+        #[comptime] count: usize,
+        #[comptime] zero_others: bool,
+        #[comptime] threads: usize,
+        #[define(E)] _dtype: ElemType,
+    ) {
+        let t = CUBE_POS;
+        let unit = UNIT_POS as usize;
+        let mut shared = Shared::<[E]>::new_slice(comptime!(threads * count));
+        let mut partial = Array::<E>::new(count);
+        let mut factor = Array::<E>::new(count);
+        let row = t * columns + first;
+        #[unroll]
+        for k in 0..count {
+            partial[k] = E::new(0.0);
+            factor[k] = weights[row + k];
+        }
+        let mut j = unit;
+        while j < width {
+            let at = t * width + j;
+            let g = grad[at];
+            if comptime!(count > 0) {
+                partial[0] += g * s0[at];
+                if (wanted_mask & 1u32) != 0u32 {
+                    let mut value = factor[0] * g;
+                    if (sofar_mask & 1u32) != 0u32 {
+                        value += f0[at];
+                    }
+                    g0[at] = value;
+                }
+            }
+            if comptime!(count > 1) {
+                partial[1] += g * s1[at];
+                if (wanted_mask & 2u32) != 0u32 {
+                    let mut value = factor[1] * g;
+                    if (sofar_mask & 2u32) != 0u32 {
+                        value += f1[at];
+                    }
+                    g1[at] = value;
+                }
+            }
+            if comptime!(count > 2) {
+                partial[2] += g * s2[at];
+                if (wanted_mask & 4u32) != 0u32 {
+                    let mut value = factor[2] * g;
+                    if (sofar_mask & 4u32) != 0u32 {
+                        value += f2[at];
+                    }
+                    g2[at] = value;
+                }
+            }
+            if comptime!(count > 3) {
+                partial[3] += g * s3[at];
+                if (wanted_mask & 8u32) != 0u32 {
+                    let mut value = factor[3] * g;
+                    if (sofar_mask & 8u32) != 0u32 {
+                        value += f3[at];
+                    }
+                    g3[at] = value;
+                }
+            }
+            if comptime!(count > 4) {
+                partial[4] += g * s4[at];
+                if (wanted_mask & 16u32) != 0u32 {
+                    let mut value = factor[4] * g;
+                    if (sofar_mask & 16u32) != 0u32 {
+                        value += f4[at];
+                    }
+                    g4[at] = value;
+                }
+            }
+            if comptime!(count > 5) {
+                partial[5] += g * s5[at];
+                if (wanted_mask & 32u32) != 0u32 {
+                    let mut value = factor[5] * g;
+                    if (sofar_mask & 32u32) != 0u32 {
+                        value += f5[at];
+                    }
+                    g5[at] = value;
+                }
+            }
+            if comptime!(count > 6) {
+                partial[6] += g * s6[at];
+                if (wanted_mask & 64u32) != 0u32 {
+                    let mut value = factor[6] * g;
+                    if (sofar_mask & 64u32) != 0u32 {
+                        value += f6[at];
+                    }
+                    g6[at] = value;
+                }
+            }
+            if comptime!(count > 7) {
+                partial[7] += g * s7[at];
+                if (wanted_mask & 128u32) != 0u32 {
+                    let mut value = factor[7] * g;
+                    if (sofar_mask & 128u32) != 0u32 {
+                        value += f7[at];
+                    }
+                    g7[at] = value;
+                }
+            }
+            j += threads;
+        }
+        #[unroll]
+        for k in 0..count {
+            shared[unit * count + k] = partial[k];
+        }
+        sync_cube();
+        sum_over_cube::<E>(&mut shared, count);
+        let mut c = unit;
+        while c < columns {
+            if c >= first && c < first + count {
+                weight_grad[t * columns + c] = shared[c - first];
+            } else if comptime!(zero_others) && (c < part_first || c >= part_end) {
+                weight_grad[t * columns + c] = E::new(0.0);
+            }
+            c += threads;
+        }
+    }
+
+    /// [`part_backward_kernel`] with one slot (`count = 1`): six bindings, for a device that
+    /// binds fewer than the eight slots need. One cube per token row `t`: `∂W[t, first + k] =
+    /// ⟨∂m[t], s_k[t]⟩` for `k < count` (and 0
+    /// in the columns outside the part's `part_first .. part_end` where `zero_others`), and
+    /// where bit `k` of `wanted_mask` is set, `g_k[t] = (f_k[t]) + W[t, first + k] ∂m[t]`
+    /// (`f_k`, the gradient so far, where bit `k` of `sofar_mask` is set).
+    #[cube(launch)]
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn single_backward_kernel<E: Float>(
+        weights: &Tensor<E>,
+        grad: &Tensor<E>,
+        s0: &Tensor<E>,
+        f0: &Tensor<E>,
+        g0: &mut Tensor<E>,
+        weight_grad: &mut Tensor<E>,
+        width: usize,
+        columns: usize,
+        first: usize,
+        part_first: usize,
+        part_end: usize,
+        sofar_mask: u32,
+        wanted_mask: u32,
+        #[comptime] count: usize,
+        #[comptime] zero_others: bool,
+        #[comptime] threads: usize,
+        #[define(E)] _dtype: ElemType,
+    ) {
+        let t = CUBE_POS;
+        let unit = UNIT_POS as usize;
+        let mut shared = Shared::<[E]>::new_slice(comptime!(threads * count));
+        let mut partial = Array::<E>::new(count);
+        let mut factor = Array::<E>::new(count);
+        let row = t * columns + first;
+        #[unroll]
+        for k in 0..count {
+            partial[k] = E::new(0.0);
+            factor[k] = weights[row + k];
+        }
+        let mut j = unit;
+        while j < width {
+            let at = t * width + j;
+            let g = grad[at];
+            if comptime!(count > 0) {
+                partial[0] += g * s0[at];
+                if (wanted_mask & 1u32) != 0u32 {
+                    let mut value = factor[0] * g;
+                    if (sofar_mask & 1u32) != 0u32 {
+                        value += f0[at];
+                    }
+                    g0[at] = value;
+                }
+            }
+            j += threads;
+        }
+        #[unroll]
+        for k in 0..count {
+            shared[unit * count + k] = partial[k];
+        }
+        sync_cube();
+        sum_over_cube::<E>(&mut shared, count);
+        let mut c = unit;
+        while c < columns {
+            if c >= first && c < first + count {
+                weight_grad[t * columns + c] = shared[c - first];
+            } else if comptime!(zero_others) && (c < part_first || c >= part_end) {
+                weight_grad[t * columns + c] = E::new(0.0);
+            }
+            c += threads;
+        }
+    }
+}

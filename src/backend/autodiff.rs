@@ -21,37 +21,33 @@ where
     C: CheckpointStrategy,
     Op: Backward<B, N>,
 {
-    let nodes = parents.each_ref().map(|parent| parent.node());
-    match op.prepare::<C>(nodes).compute_bound().stateful() {
-        OpsKind::Tracked(mut prep) => {
-            let checkpoints = parents.each_ref().map(|parent| prep.checkpoint(parent));
-            let output = forward(parents.map(|parent| parent.into_primitive()));
-            let state = state(checkpoints, &output);
-            prep.finish(state, output)
-        }
-        OpsKind::UnTracked(prep) => prep.finish(forward(parents.map(|p| p.into_primitive()))),
-    }
+    let forward = |parents| (forward(parents), ());
+    tracked_op_saving::<B, C, Op, (), N>(op, parents, forward, |nodes, output, ()| {
+        state(nodes, output)
+    })
+    .0
 }
 
-/// [`tracked_op`] for a forward that also makes a tensor its backward takes back (kept in the
-/// state where tracked): `(output, saved)`, the saved tensor untracked.
-pub(super) fn tracked_op_saving<B, C, Op, const N: usize>(
+/// [`tracked_op`] for a forward that also makes something its backward takes back (`saved`,
+/// handed to `state` where tracked): `(output, saved)`, the saved part untracked.
+pub(super) fn tracked_op_saving<B, C, Op, X, const N: usize>(
     op: Op,
     parents: [FloatTensor<Autodiff<B, C>>; N],
-    forward: impl FnOnce([FloatTensor<B>; N]) -> (FloatTensor<B>, FloatTensor<B>),
-    state: impl FnOnce([NodeId; N], FloatTensor<B>) -> Op::State,
-) -> (FloatTensor<Autodiff<B, C>>, FloatTensor<B>)
+    forward: impl FnOnce([FloatTensor<B>; N]) -> (FloatTensor<B>, X),
+    state: impl FnOnce([NodeId; N], &FloatTensor<B>, X) -> Op::State,
+) -> (FloatTensor<Autodiff<B, C>>, X)
 where
     B: Backend,
     C: CheckpointStrategy,
     Op: Backward<B, N>,
+    X: Clone,
 {
     let nodes = parents.each_ref().map(|parent| parent.node());
     match op.prepare::<C>(nodes).compute_bound().stateful() {
         OpsKind::Tracked(mut prep) => {
             let checkpoints = parents.each_ref().map(|parent| prep.checkpoint(parent));
             let (output, saved) = forward(parents.map(|parent| parent.into_primitive()));
-            let state = state(checkpoints, saved.clone());
+            let state = state(checkpoints, &output, saved.clone());
             (prep.finish(state, output), saved)
         }
         OpsKind::UnTracked(prep) => {

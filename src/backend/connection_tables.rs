@@ -578,7 +578,7 @@ impl<B: ConnectionTableBackend, C: CheckpointStrategy> ConnectionTableBackend fo
             },
             slot,
         };
-        let (table, projection) = tracked_op_saving::<B, C, _, _>(
+        let (table, projection) = tracked_op_saving::<B, C, _, _, _>(
             GatedTable,
             [
                 rows,
@@ -595,7 +595,7 @@ impl<B: ConnectionTableBackend, C: CheckpointStrategy> ConnectionTableBackend fo
                     rows, mw, dw, gain, ms, ds, mst, dst, tanh, numerator, offset, floor, slot,
                 )
             },
-            |nodes, projection| (nodes, constants, projection),
+            |nodes, _, projection| (nodes, constants, projection),
         );
         (table, constant::<B, C>(projection))
     }
@@ -693,7 +693,7 @@ impl<B: ConnectionTableBackend, C: CheckpointStrategy> ConnectionTableBackend fo
             root_offset,
             slot,
         };
-        let (table, projection) = tracked_op_saving::<B, C, _, _>(
+        let (table, projection) = tracked_op_saving::<B, C, _, _, _>(
             NormalisedTable,
             [
                 rows,
@@ -725,7 +725,7 @@ impl<B: ConnectionTableBackend, C: CheckpointStrategy> ConnectionTableBackend fo
                     slot,
                 )
             },
-            |nodes, projection| (nodes, constants, projection),
+            |nodes, _, projection| (nodes, constants, projection),
         );
         (table, constant::<B, C>(projection))
     }

@@ -263,7 +263,6 @@ impl TokenMixPartBackend for CubeBackend {
                     first + count,
                     sofar_mask >> k,
                     wanted >> k,
-                    1,
                     k == 0,
                     threads,
                     dtype_to_storage_type(grad.dtype),
@@ -315,7 +314,7 @@ mod kernels {
             total = sum[i];
         }
         if comptime!(count > 0) {
-            total += weights[row + 0] * s0[i];
+            total += weights[row] * s0[i];
         }
         if comptime!(count > 1) {
             total += weights[row + 1] * s1[i];
@@ -339,6 +338,69 @@ mod kernels {
             total += weights[row + 7] * s7[i];
         }
         output[i] = total;
+    }
+
+    /// One slot's entry `at` of the backward, `g = ∂m[at]`: writes `(f[at]) + factor · g` to
+    /// `state_grad` where `bit` is set in the wanted mask (`f[at]` where it is set in the
+    /// so-far mask; `masks = (sofar, wanted)`), and returns `g · state[at]`, the entry's term of
+    /// `⟨∂m, x⟩`.
+    #[cube]
+    #[allow(clippy::too_many_arguments)]
+    fn slot<E: Float>(
+        g: E,
+        at: usize,
+        state: &Tensor<E>,
+        sofar: &Tensor<E>,
+        state_grad: &mut Tensor<E>,
+        factor: E,
+        #[comptime] bit: u32,
+        masks: (u32, u32),
+    ) -> E {
+        let (sofar_mask, wanted_mask) = masks;
+        if (wanted_mask & bit) != 0u32 {
+            let mut value = factor * g;
+            if (sofar_mask & bit) != 0u32 {
+                value += sofar[at];
+            }
+            state_grad[at] = value;
+        }
+        g * state[at]
+    }
+
+    /// Token row `t`'s `∂W`: the `count` partial inner products of each unit summed over the
+    /// cube into columns `first ..`, and 0 in the columns outside `part_first .. part_end`
+    /// where `zero_others`.
+    #[cube]
+    #[allow(clippy::too_many_arguments)]
+    fn weight_grad_row<E: Float>(
+        partial: &Array<E>,
+        weight_grad: &mut Tensor<E>,
+        t: usize,
+        columns: usize,
+        first: usize,
+        part: (usize, usize),
+        #[comptime] count: usize,
+        #[comptime] zero_others: bool,
+        #[comptime] threads: usize,
+    ) {
+        let unit = UNIT_POS as usize;
+        let (part_first, part_end) = part;
+        let mut shared = Shared::<[E]>::new_slice(comptime!(threads * count));
+        #[unroll]
+        for k in 0..count {
+            shared[unit * count + k] = partial[k];
+        }
+        sync_cube();
+        sum_over_cube::<E>(&mut shared, count);
+        let mut c = unit;
+        while c < columns {
+            if c >= first && c < first + count {
+                weight_grad[t * columns + c] = shared[c - first];
+            } else if comptime!(zero_others) && (c < part_first || c >= part_end) {
+                weight_grad[t * columns + c] = E::new(0.0);
+            }
+            c += threads;
+        }
     }
 
     /// One cube per token row `t`: `∂W[t, first + k] = ⟨∂m[t], s_k[t]⟩` for `k < count` (and 0
@@ -388,133 +450,68 @@ mod kernels {
         #[define(E)] _dtype: ElemType,
     ) {
         let t = CUBE_POS;
-        let unit = UNIT_POS as usize;
-        let mut shared = Shared::<[E]>::new_slice(comptime!(threads * count));
+        let masks = (sofar_mask, wanted_mask);
         let mut partial = Array::<E>::new(count);
         let mut factor = Array::<E>::new(count);
-        let row = t * columns + first;
         #[unroll]
         for k in 0..count {
             partial[k] = E::new(0.0);
-            factor[k] = weights[row + k];
+            factor[k] = weights[t * columns + first + k];
         }
-        let mut j = unit;
+        let mut j = UNIT_POS as usize;
         while j < width {
             let at = t * width + j;
             let g = grad[at];
             if comptime!(count > 0) {
-                partial[0] += g * s0[at];
-                if (wanted_mask & 1u32) != 0u32 {
-                    let mut value = factor[0] * g;
-                    if (sofar_mask & 1u32) != 0u32 {
-                        value += f0[at];
-                    }
-                    g0[at] = value;
-                }
+                partial[0] += slot::<E>(g, at, s0, f0, g0, factor[0], 1u32, masks);
             }
             if comptime!(count > 1) {
-                partial[1] += g * s1[at];
-                if (wanted_mask & 2u32) != 0u32 {
-                    let mut value = factor[1] * g;
-                    if (sofar_mask & 2u32) != 0u32 {
-                        value += f1[at];
-                    }
-                    g1[at] = value;
-                }
+                partial[1] += slot::<E>(g, at, s1, f1, g1, factor[1], 2u32, masks);
             }
             if comptime!(count > 2) {
-                partial[2] += g * s2[at];
-                if (wanted_mask & 4u32) != 0u32 {
-                    let mut value = factor[2] * g;
-                    if (sofar_mask & 4u32) != 0u32 {
-                        value += f2[at];
-                    }
-                    g2[at] = value;
-                }
+                partial[2] += slot::<E>(g, at, s2, f2, g2, factor[2], 4u32, masks);
             }
             if comptime!(count > 3) {
-                partial[3] += g * s3[at];
-                if (wanted_mask & 8u32) != 0u32 {
-                    let mut value = factor[3] * g;
-                    if (sofar_mask & 8u32) != 0u32 {
-                        value += f3[at];
-                    }
-                    g3[at] = value;
-                }
+                partial[3] += slot::<E>(g, at, s3, f3, g3, factor[3], 8u32, masks);
             }
             if comptime!(count > 4) {
-                partial[4] += g * s4[at];
-                if (wanted_mask & 16u32) != 0u32 {
-                    let mut value = factor[4] * g;
-                    if (sofar_mask & 16u32) != 0u32 {
-                        value += f4[at];
-                    }
-                    g4[at] = value;
-                }
+                partial[4] += slot::<E>(g, at, s4, f4, g4, factor[4], 16u32, masks);
             }
             if comptime!(count > 5) {
-                partial[5] += g * s5[at];
-                if (wanted_mask & 32u32) != 0u32 {
-                    let mut value = factor[5] * g;
-                    if (sofar_mask & 32u32) != 0u32 {
-                        value += f5[at];
-                    }
-                    g5[at] = value;
-                }
+                partial[5] += slot::<E>(g, at, s5, f5, g5, factor[5], 32u32, masks);
             }
             if comptime!(count > 6) {
-                partial[6] += g * s6[at];
-                if (wanted_mask & 64u32) != 0u32 {
-                    let mut value = factor[6] * g;
-                    if (sofar_mask & 64u32) != 0u32 {
-                        value += f6[at];
-                    }
-                    g6[at] = value;
-                }
+                partial[6] += slot::<E>(g, at, s6, f6, g6, factor[6], 64u32, masks);
             }
             if comptime!(count > 7) {
-                partial[7] += g * s7[at];
-                if (wanted_mask & 128u32) != 0u32 {
-                    let mut value = factor[7] * g;
-                    if (sofar_mask & 128u32) != 0u32 {
-                        value += f7[at];
-                    }
-                    g7[at] = value;
-                }
+                partial[7] += slot::<E>(g, at, s7, f7, g7, factor[7], 128u32, masks);
             }
             j += threads;
         }
-        #[unroll]
-        for k in 0..count {
-            shared[unit * count + k] = partial[k];
-        }
-        sync_cube();
-        sum_over_cube::<E>(&mut shared, count);
-        let mut c = unit;
-        while c < columns {
-            if c >= first && c < first + count {
-                weight_grad[t * columns + c] = shared[c - first];
-            } else if comptime!(zero_others) && (c < part_first || c >= part_end) {
-                weight_grad[t * columns + c] = E::new(0.0);
-            }
-            c += threads;
-        }
+        let part = (part_first, part_end);
+        weight_grad_row::<E>(
+            &partial,
+            weight_grad,
+            t,
+            columns,
+            first,
+            part,
+            count,
+            zero_others,
+            threads,
+        );
     }
 
     /// [`part_backward_kernel`] with one slot (`count = 1`): six bindings, for a device that
-    /// binds fewer than the eight slots need. One cube per token row `t`: `∂W[t, first + k] =
-    /// ⟨∂m[t], s_k[t]⟩` for `k < count` (and 0
-    /// in the columns outside the part's `part_first .. part_end` where `zero_others`), and
-    /// where bit `k` of `wanted_mask` is set, `g_k[t] = (f_k[t]) + W[t, first + k] ∂m[t]`
-    /// (`f_k`, the gradient so far, where bit `k` of `sofar_mask` is set).
+    /// binds fewer than the eight slots need.
     #[cube(launch)]
     #[allow(clippy::too_many_arguments)]
     pub(super) fn single_backward_kernel<E: Float>(
         weights: &Tensor<E>,
         grad: &Tensor<E>,
-        s0: &Tensor<E>,
-        f0: &Tensor<E>,
-        g0: &mut Tensor<E>,
+        state: &Tensor<E>,
+        sofar: &Tensor<E>,
+        state_grad: &mut Tensor<E>,
         weight_grad: &mut Tensor<E>,
         width: usize,
         columns: usize,
@@ -523,52 +520,32 @@ mod kernels {
         part_end: usize,
         sofar_mask: u32,
         wanted_mask: u32,
-        #[comptime] count: usize,
         #[comptime] zero_others: bool,
         #[comptime] threads: usize,
         #[define(E)] _dtype: ElemType,
     ) {
         let t = CUBE_POS;
-        let unit = UNIT_POS as usize;
-        let mut shared = Shared::<[E]>::new_slice(comptime!(threads * count));
-        let mut partial = Array::<E>::new(count);
-        let mut factor = Array::<E>::new(count);
-        let row = t * columns + first;
-        #[unroll]
-        for k in 0..count {
-            partial[k] = E::new(0.0);
-            factor[k] = weights[row + k];
-        }
-        let mut j = unit;
+        let masks = (sofar_mask, wanted_mask);
+        let factor = weights[t * columns + first];
+        let mut partial = Array::<E>::new(1usize);
+        partial[0] = E::new(0.0);
+        let mut j = UNIT_POS as usize;
         while j < width {
             let at = t * width + j;
-            let g = grad[at];
-            if comptime!(count > 0) {
-                partial[0] += g * s0[at];
-                if (wanted_mask & 1u32) != 0u32 {
-                    let mut value = factor[0] * g;
-                    if (sofar_mask & 1u32) != 0u32 {
-                        value += f0[at];
-                    }
-                    g0[at] = value;
-                }
-            }
+            partial[0] += slot::<E>(grad[at], at, state, sofar, state_grad, factor, 1u32, masks);
             j += threads;
         }
-        #[unroll]
-        for k in 0..count {
-            shared[unit * count + k] = partial[k];
-        }
-        sync_cube();
-        sum_over_cube::<E>(&mut shared, count);
-        let mut c = unit;
-        while c < columns {
-            if c >= first && c < first + count {
-                weight_grad[t * columns + c] = shared[c - first];
-            } else if comptime!(zero_others) && (c < part_first || c >= part_end) {
-                weight_grad[t * columns + c] = E::new(0.0);
-            }
-            c += threads;
-        }
+        let part = (part_first, part_end);
+        weight_grad_row::<E>(
+            &partial,
+            weight_grad,
+            t,
+            columns,
+            first,
+            part,
+            1usize,
+            zero_others,
+            threads,
+        );
     }
 }

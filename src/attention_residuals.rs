@@ -37,7 +37,8 @@
 //!
 //! A source's logits for every query are one normalised projection (`rms(v) [w_1 … w_Q]`, one
 //! fused op each way on Flex); each mixture's weighted sum is one fused op each way on Flex and
-//! a kernel each way per eight sources on the CubeCL backends, and the softmax a tensor op.
+//! a kernel each way per eight sources on the CubeCL backends, and so is the gathering of its
+//! query's column from every source's logits on the CubeCL backends; the softmax is a tensor op.
 //!
 //! # Shapes
 //! - input, block inputs, branches and output: `[..., d]` (any rank, last axis the width `d`)
@@ -62,7 +63,7 @@ use burn::module::Param;
 use burn::prelude::*;
 use burn::tensor::activation::softmax;
 
-use crate::backend::{rms_projection, token_mix};
+use crate::backend::{gather_column, rms_projection, token_mix};
 use crate::connectivity::{Connectivity, ConnectivityConfig, StreamConnectivity, leading_part};
 use crate::error::{Error, Result, check_depth, check_positive, check_size};
 use crate::matrix::ConnectivityMatrix;
@@ -228,16 +229,19 @@ impl AttentionResiduals {
             // softmax over one source is 1, whatever the query.
             return only.value.clone();
         }
-        let mut logits: Vec<Tensor<D>> = sources
-            .iter()
-            .map(|source| source.logits.clone().narrow(D - 1, column, 1))
-            .collect();
-        if let Some(partial) = partial {
-            // Read by this mixture only: its logit for this query alone.
-            let query = queries.clone().narrow(1, column, 1);
-            logits.push(self.logits(partial, &query));
-        }
-        let weights = softmax(Tensor::cat(logits, D - 1), D - 1);
+        let gathered = gather_column(
+            sources.iter().map(|source| source.logits.clone()).collect(),
+            column,
+        );
+        let logits = match partial {
+            Some(partial) => {
+                // Read by this mixture only: its logit for this query alone.
+                let query = queries.clone().narrow(1, column, 1);
+                Tensor::cat(vec![gathered, self.logits(partial, &query)], D - 1)
+            }
+            None => gathered,
+        };
+        let weights = softmax(logits, D - 1);
         let values = sources
             .iter()
             .map(|source| source.value.clone())

@@ -23,6 +23,8 @@ macro_rules! register_tracked {
 
 #[cfg(any(feature = "flex", feature = "tch", feature = "cube-kernels"))]
 mod autodiff;
+mod column_gather;
+pub(crate) use column_gather::gather_column;
 #[cfg(feature = "cube-kernels")]
 mod connection_tables;
 #[cfg(feature = "cube-kernels")]

@@ -2,6 +2,7 @@
 //! parent checkpointed, and the first-order backward ops as constants to the graph.
 
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
+use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, OpsKind};
 use burn::backend::autodiff::{Autodiff, NodeId};
 use burn::backend::tensor::FloatTensor;
@@ -76,5 +77,64 @@ pub(super) fn cast_to<B: Backend>(
         tensor
     } else {
         B::float_cast(tensor, dtype.into())
+    }
+}
+
+/// For an op over up to 32 states whose backward writes each state's gradient as *its gradient
+/// so far plus the op's term* (no add per state follows): takes the gradient so far of each
+/// state with `tracked[k]` out of `grads`. Returns one tensor per state (`fill` where there is
+/// none), the mask of states that had one, and the mask of the tracked states.
+#[cfg(feature = "cube-kernels")]
+pub(super) fn take_so_far<B: Backend>(
+    grads: &mut Gradients,
+    states: &[FloatTensor<Autodiff<B>>],
+    tracked: &[bool],
+    fill: &FloatTensor<B>,
+) -> (Vec<FloatTensor<B>>, u32, u32) {
+    let mut so_far_mask = 0u32;
+    let mut tracked_mask = 0u32;
+    let so_far = states
+        .iter()
+        .zip(tracked)
+        .enumerate()
+        .map(|(k, (state, &tracked))| {
+            let taken = if tracked {
+                tracked_mask |= 1 << k;
+                grads.remove::<B>(state)
+            } else {
+                None
+            };
+            if taken.is_some() {
+                so_far_mask |= 1 << k;
+            }
+            taken.unwrap_or_else(|| fill.clone())
+        })
+        .collect();
+    (so_far, so_far_mask, tracked_mask)
+}
+
+/// Registers each computed state gradient with its state where `tracked` (the other side of
+/// [`take_so_far`]).
+#[cfg(feature = "cube-kernels")]
+pub(super) fn register_states<B: Backend>(
+    grads: &mut Gradients,
+    states: &[FloatTensor<Autodiff<B>>],
+    tracked: &[bool],
+    computed: impl IntoIterator<Item = FloatTensor<B>>,
+) {
+    for ((state, &tracked), grad) in states.iter().zip(tracked).zip(computed) {
+        if tracked {
+            grads.register::<B>(state.node().id(), grad);
+        }
+    }
+}
+
+/// `values` padded to eight with `fill`: the slots of an op over up to eight states.
+#[cfg(feature = "cube-kernels")]
+pub(super) fn eight_slots<T: Clone>(mut values: Vec<T>, fill: &T) -> [T; 8] {
+    values.resize(8, fill.clone());
+    match values.try_into() {
+        Ok(slots) => slots,
+        Err(_) => unreachable!("resized to eight"),
     }
 }

@@ -94,7 +94,7 @@ mod parts {
     use burn::backend::{Backend, Dispatch, backend_extension};
     use burn::prelude::*;
 
-    use super::super::autodiff::constant;
+    use super::super::autodiff::{constant, eight_slots, register_states, take_so_far};
     use super::super::cube_launch::placeholder_spec;
 
     /// States per part.
@@ -255,29 +255,9 @@ mod parts {
             let tracked: Vec<bool> = (0..count).map(|k| ops.parents[2 + k].is_some()).collect();
             // Each tracked state's gradient so far leaves the container and comes back with
             // this part's term added in the same pass (as on Flex).
-            let mut sofar_mask = 0u32;
-            let mut wanted = 0u32;
-            let mut sofar: Vec<FloatTensor<B>> = Vec::with_capacity(PART);
-            for (k, node) in nodes.iter().enumerate() {
-                let taken = if tracked[k] {
-                    wanted |= 1 << k;
-                    grads.remove::<B>(node)
-                } else {
-                    None
-                };
-                if taken.is_some() {
-                    sofar_mask |= 1 << k;
-                }
-                sofar.push(taken.unwrap_or_else(|| grad.clone()));
-            }
-            let pad = |mut tensors: Vec<FloatTensor<B>>| {
-                tensors.resize(PART, grad.clone());
-                let [a, b, c, d, e, f, g, h]: [FloatTensor<B>; PART] =
-                    tensors.try_into().expect("eight slots");
-                [a, b, c, d, e, f, g, h]
-            };
-            let [s0, s1, s2, s3, s4, s5, s6, s7] = pad(states);
-            let [f0, f1, f2, f3, f4, f5, f6, f7] = pad(sofar);
+            let (sofar, sofar_mask, wanted) = take_so_far::<B>(grads, &nodes, &tracked, &grad);
+            let [s0, s1, s2, s3, s4, s5, s6, s7] = eight_slots(states, &grad);
+            let [f0, f1, f2, f3, f4, f5, f6, f7] = eight_slots(sofar, &grad);
             let (g0, g1, g2, g3, g4, g5, g6, g7, weight_grad) = B::token_mix_part_backward(
                 weights,
                 grad.clone(),
@@ -302,15 +282,7 @@ mod parts {
                 sofar_mask,
                 wanted,
             );
-            for ((node, state_grad), tracked) in nodes
-                .iter()
-                .zip([g0, g1, g2, g3, g4, g5, g6, g7])
-                .zip(tracked)
-            {
-                if tracked {
-                    grads.register::<B>(node.node().id(), state_grad);
-                }
-            }
+            register_states::<B>(grads, &nodes, &tracked, [g0, g1, g2, g3, g4, g5, g6, g7]);
             if let Some(parent) = &ops.parents[0] {
                 grads.register::<B>(parent.id, weight_grad);
             }

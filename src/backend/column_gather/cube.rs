@@ -240,7 +240,8 @@ mod kernels {
     /// `previous[t, c]` before them where `with_previous`, 0 after them. One unit per entry.
     /// (Eight tensor arguments: CubeCL 0.11 has no sequence of tensors.)
     #[cube(launch)]
-    #[allow(clippy::too_many_arguments)]
+    // A comptime condition cannot join a runtime one in one `if`.
+    #[allow(clippy::too_many_arguments, clippy::collapsible_if)]
     pub(super) fn part_forward_kernel<E: Float>(
         previous: &Tensor<E>,
         t0: &Tensor<E>,
@@ -273,7 +274,7 @@ mod kernels {
             }
         }
         if comptime!(count > 0) {
-            if c == first + 0 {
+            if c == first {
                 value = t0[at];
             }
         }

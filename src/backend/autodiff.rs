@@ -2,6 +2,7 @@
 //! parent checkpointed, and the first-order backward ops as constants to the graph.
 
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
+#[cfg(feature = "cube-kernels")]
 use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, OpsKind};
 use burn::backend::autodiff::{Autodiff, NodeId};

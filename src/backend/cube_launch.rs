@@ -189,6 +189,13 @@ pub(crate) fn weights_product(rows: CubeTensor, scaled_grad: CubeTensor) -> Cube
     Cube::float_reshape(column_sums(partials), Shape::new([width, columns]))
 }
 
+/// `(rows, width)` of a `[..., width]` tensor: its last axis and the rows before it.
+pub(crate) fn rows_and_width(tensor: &CubeTensor) -> (usize, usize) {
+    let shape = tensor.meta.shape();
+    let width = shape[shape.num_dims() - 1];
+    (shape.num_elements() / width.max(1), width)
+}
+
 /// An uninitialised contiguous tensor of `shape` on `like`'s device, of its float type.
 pub(crate) fn empty(like: &CubeTensor, shape: Shape) -> CubeTensor {
     empty_device_contiguous_dtype(like.client.clone(), like.device.clone(), shape, like.dtype)

@@ -1,6 +1,7 @@
 //! The column gather on the CubeCL backends, a part of up to [`PART`] tables at a time (see the
 //! parent module): one kernel forward, one backward.
 
+#[cfg(test)]
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use burn::backend::cubecl::dtype_to_storage_type;
@@ -12,14 +13,23 @@ use burn_cubecl::tensor::CubeTensor;
 use cubecl::{CubeDim, calculate_cube_count_elemwise};
 
 use super::parts::{ColumnGatherBackend, PART};
-use crate::backend::cube_launch::empty;
+use crate::backend::cube_launch::{empty, rows_and_width};
 use kernels::{part_backward_kernel, part_forward_kernel, single_backward_kernel};
 
 /// Buffers the backward kernel binds: `∂out`, and per slot a gradient so far and a gradient.
 const BACKWARD_BINDINGS: usize = 1 + 2 * PART;
 
 /// Takes the one-slot backward kernel whatever the device binds (for the tests).
+#[cfg(test)]
 static ONE_SLOT: AtomicBool = AtomicBool::new(false);
+
+/// Whether a test asked for the one-slot backward kernel; never outside the tests.
+fn one_slot_forced() -> bool {
+    #[cfg(test)]
+    return ONE_SLOT.load(Ordering::Relaxed);
+    #[cfg(not(test))]
+    false
+}
 
 /// Makes the backward take the one-slot kernel (`true`) or choose by the device (`false`).
 #[cfg(test)]
@@ -31,12 +41,6 @@ pub(super) fn one_slot_backward(on: bool) {
 #[cfg(test)]
 pub(super) static BACKWARD_LAUNCHES: std::sync::atomic::AtomicUsize =
     std::sync::atomic::AtomicUsize::new(0);
-
-/// The last axis of a tensor.
-fn last_axis(tensor: &CubeTensor) -> usize {
-    let shape = tensor.meta.shape();
-    shape[shape.num_dims() - 1]
-}
 
 impl ColumnGatherBackend for CubeBackend {
     fn gather_part(
@@ -61,7 +65,7 @@ impl ColumnGatherBackend for CubeBackend {
             .map(into_contiguous)
             .collect();
         let like = &tables[0];
-        let width = last_axis(like);
+        let (_, width) = rows_and_width(like);
         let mut shape = like.meta.shape().clone();
         let last = shape.num_dims() - 1;
         shape.as_mut_slice()[last] = total;
@@ -141,10 +145,10 @@ impl ColumnGatherBackend for CubeBackend {
         FloatTensor<Self>,
     ) {
         let grad = into_contiguous(grad);
-        let total = last_axis(&grad);
+        let (_, total) = rows_and_width(&grad);
         // Every table has `t0`'s shape.
+        let (_, width) = rows_and_width(&t0);
         let shape = t0.meta.shape().clone();
-        let width = shape[shape.num_dims() - 1];
         let len = shape.num_elements();
         let has = |mask: u32, k: usize| mask >> k & 1 == 1;
         let so_far: Vec<CubeTensor> = [f0, f1, f2, f3, f4, f5, f6, f7]
@@ -174,7 +178,7 @@ impl ColumnGatherBackend for CubeBackend {
         let cubes = calculate_cube_count_elemwise(&grad.client, len, dim);
         // One binding more for CubeCL's own metadata buffer.
         let binds_all = grad.client.properties().hardware.max_bindings as usize > BACKWARD_BINDINGS
-            && !ONE_SLOT.load(Ordering::Relaxed);
+            && !one_slot_forced();
         if binds_all {
             let so_far = |k: usize| so_far[k].clone().into_tensor_arg();
             let table_grad = |k: usize| table_grads[k].clone().into_tensor_arg();

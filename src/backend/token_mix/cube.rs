@@ -1,6 +1,7 @@
 //! The token mix on the CubeCL backends, a part of up to [`PART`] states at a time (see the
 //! parent module): one kernel forward, one backward.
 
+#[cfg(test)]
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use burn::backend::cubecl::dtype_to_storage_type;
@@ -12,11 +13,20 @@ use burn_cubecl::tensor::CubeTensor;
 use cubecl::{CubeCount, CubeDim, calculate_cube_count_elemwise};
 
 use super::{PART, TokenMixPartBackend};
-use crate::backend::cube_launch::{empty, threads_for};
+use crate::backend::cube_launch::{empty, rows_and_width, threads_for};
 use kernels::{part_backward_kernel, part_forward_kernel, single_backward_kernel};
 
 /// Takes the one-slot backward kernel whatever the device binds (for the tests).
+#[cfg(test)]
 static ONE_SLOT: AtomicBool = AtomicBool::new(false);
+
+/// Whether a test asked for the one-slot backward kernel; never outside the tests.
+fn one_slot_forced() -> bool {
+    #[cfg(test)]
+    return ONE_SLOT.load(Ordering::Relaxed);
+    #[cfg(not(test))]
+    false
+}
 
 /// Backward launches so far (for the tests: that the kernels, not the composed form, ran).
 #[cfg(test)]
@@ -31,13 +41,6 @@ pub(super) fn one_slot_backward(on: bool) {
 
 /// Units per cube of the backward kernel (at most): one cube per token row.
 const MOST_THREADS: usize = 256;
-
-/// `(tokens, width)` of `[..., width]`, and its last axis.
-fn rows_and_width(tensor: &CubeTensor) -> (usize, usize) {
-    let shape = tensor.meta.shape();
-    let width = shape[shape.num_dims() - 1];
-    (shape.num_elements() / width.max(1), width)
-}
 
 /// Buffers the backward kernel binds: the weights, `∂m`, `∂W` and per slot its state, its
 /// gradient so far and its own gradient (placeholders where unused).
@@ -65,54 +68,51 @@ impl TokenMixPartBackend for CubeBackend {
             .map(into_contiguous)
             .collect();
         let weights = into_contiguous(weights);
-        let columns = weights.meta.shape()[weights.meta.shape().num_dims() - 1];
+        let (_, columns) = rows_and_width(&weights);
         let (_, width) = rows_and_width(&states[0]);
         let shape = states[0].meta.shape().clone();
         let len = shape.num_elements();
         let dim = CubeDim::new(&states[0].client, len);
         let cubes = calculate_cube_count_elemwise(&states[0].client, len, dim);
-        // One launch: eleven bindings.
-        let per_launch = PART;
-        let mut sum = accumulate.then(|| into_contiguous(accumulator));
-        for (launch, chunk) in states.chunks(per_launch).enumerate() {
-            let output = empty(&chunk[0], shape.clone());
-            let slot = |k: usize| {
-                chunk
-                    .get(k)
-                    .cloned()
-                    .unwrap_or_else(|| empty(&chunk[0], Shape::new([1])))
-                    .into_tensor_arg()
-            };
-            let with_sum = sum.is_some();
-            // Without a sum so far, a buffer of its own stands in for it, unread.
-            let previous = sum
-                .take()
-                .unwrap_or_else(|| empty(&chunk[0], Shape::new([1])));
-            part_forward_kernel::launch(
-                &chunk[0].client,
-                cubes.clone(),
-                dim,
-                weights.clone().into_tensor_arg(),
-                previous.into_tensor_arg(),
-                slot(0),
-                slot(1),
-                slot(2),
-                slot(3),
-                slot(4),
-                slot(5),
-                slot(6),
-                slot(7),
-                output.clone().into_tensor_arg(),
-                width,
-                columns,
-                first + launch * per_launch,
-                chunk.len(),
-                with_sum,
-                dtype_to_storage_type(chunk[0].dtype),
-            );
-            sum = Some(output);
-        }
-        sum.expect("at least one state")
+        let output = empty(&states[0], shape);
+        // The slots past `count`, and the sum when there is none: placeholders of their own,
+        // unread.
+        let placeholder = || empty(&states[0], Shape::new([1]));
+        let slot = |k: usize| {
+            states
+                .get(k)
+                .cloned()
+                .unwrap_or_else(placeholder)
+                .into_tensor_arg()
+        };
+        let previous = if accumulate {
+            into_contiguous(accumulator)
+        } else {
+            placeholder()
+        };
+        part_forward_kernel::launch(
+            &output.client,
+            cubes,
+            dim,
+            weights.into_tensor_arg(),
+            previous.into_tensor_arg(),
+            slot(0),
+            slot(1),
+            slot(2),
+            slot(3),
+            slot(4),
+            slot(5),
+            slot(6),
+            slot(7),
+            output.clone().into_tensor_arg(),
+            width,
+            columns,
+            first,
+            count,
+            accumulate,
+            dtype_to_storage_type(output.dtype),
+        );
+        output
     }
 
     fn token_mix_part_backward(
@@ -152,7 +152,7 @@ impl TokenMixPartBackend for CubeBackend {
         let grad = into_contiguous(grad);
         let weights = into_contiguous(weights);
         let weight_shape = weights.meta.shape().clone();
-        let columns = weight_shape[weight_shape.num_dims() - 1];
+        let (_, columns) = rows_and_width(&weights);
         let (tokens, width) = rows_and_width(&grad);
         let states: Vec<CubeTensor> = [s0, s1, s2, s3, s4, s5, s6, s7]
             .into_iter()
@@ -189,9 +189,9 @@ impl TokenMixPartBackend for CubeBackend {
         BACKWARD_LAUNCHES.fetch_add(1, Ordering::Relaxed);
         // One binding more for CubeCL's own metadata buffer.
         let binds_all = grad.client.properties().hardware.max_bindings as usize > BACKWARD_BINDINGS
-            && !ONE_SLOT.load(Ordering::Relaxed);
+            && !one_slot_forced();
         if binds_all {
-            let threads = threads_for(&grad, PART.min(count), MOST_THREADS);
+            let threads = threads_for(&grad, count, MOST_THREADS);
             let dim = CubeDim::new_1d(threads as u32);
             // The slots past `count`: placeholders of their own, unread.
             let placeholder = || empty(&grad, Shape::new([1]));

@@ -28,6 +28,11 @@ pub(crate) trait Scalar:
         portable_add_weighted_sum(out, terms);
     }
 
+    /// `out = base + c x` (`c x` without a base), every element of `out` written.
+    fn write_axpy(out: &mut [MaybeUninit<Self>], base: Option<&[Self]>, c: Self, x: &[Self]) {
+        portable_write_axpy(out, base, c, x);
+    }
+
     /// `out_i = ⟨a, x_i⟩`.
     fn dots(a: &[Self], xs: &[&[Self]], out: &mut [Self]) {
         for (out, x) in out.iter_mut().zip(xs) {
@@ -79,6 +84,16 @@ impl Scalar for f32 {
             *out = portable_dot(a, x);
         }
     }
+
+    fn write_axpy(out: &mut [MaybeUninit<f32>], base: Option<&[f32]>, c: f32, x: &[f32]) {
+        #[cfg(target_arch = "x86_64")]
+        if avx2::available() {
+            // SAFETY: the CPU has AVX2 and FMA.
+            unsafe { avx2::write_axpy(out, base, c, x) };
+            return;
+        }
+        portable_write_axpy(out, base, c, x);
+    }
 }
 
 /// A full-size output buffer left unwritten, for ops whose parallel tasks each zero their own
@@ -96,8 +111,8 @@ pub(crate) fn zeroed<E: Scalar>(chunk: &mut [MaybeUninit<E>]) -> &mut [E] {
     for value in chunk.iter_mut() {
         value.write(E::zero());
     }
-    // SAFETY: every element was written just above, and `MaybeUninit<E>` has `E`'s layout.
-    unsafe { &mut *(std::ptr::from_mut(chunk) as *mut [E]) }
+    // SAFETY: every element was written just above.
+    unsafe { assume_written(chunk) }
 }
 
 /// The buffer of [`unwritten`] as its elements.
@@ -179,6 +194,33 @@ pub(crate) fn dots<E: Scalar>(a: &[E], xs: &[&[E]], out: &mut [E]) {
     E::dots(a, xs, out);
 }
 
+/// `out = base + c x` (`out = c x` without a base) into an [`unwritten`] chunk, in one pass where
+/// zeroing, copying the base and adding would take three; the chunk as initialised elements.
+pub(crate) fn write_axpy<'a, E: Scalar>(
+    out: &'a mut [MaybeUninit<E>],
+    base: Option<&[E]>,
+    c: E,
+    x: &[E],
+) -> &'a mut [E] {
+    assert!(
+        x.len() >= out.len() && base.is_none_or(|base| base.len() >= out.len()),
+        "write_axpy: the operands are shorter than the output"
+    );
+    E::write_axpy(out, base, c, x);
+    // SAFETY: every element of `out` was written just above.
+    unsafe { assume_written(out) }
+}
+
+/// An [`unwritten`] chunk as its elements.
+///
+/// # Safety
+/// Every element of `chunk` must have been written.
+pub(crate) unsafe fn assume_written<E: Scalar>(chunk: &mut [MaybeUninit<E>]) -> &mut [E] {
+    // SAFETY: `MaybeUninit<E>` has `E`'s layout, and every element is initialised (the
+    // caller's contract).
+    unsafe { &mut *(std::ptr::from_mut(chunk) as *mut [E]) }
+}
+
 /// `Σ_k a_k b_k` with eight independent sums, so the compiler can vectorise it.
 fn portable_dot<E: Scalar>(a: &[E], b: &[E]) -> E {
     let mut lanes = [E::zero(); 8];
@@ -200,6 +242,22 @@ fn portable_dot<E: Scalar>(a: &[E], b: &[E]) -> E {
 fn portable_axpy<E: Scalar>(out: &mut [E], c: E, x: &[E]) {
     for (o, &v) in out.iter_mut().zip(x) {
         *o += c * v;
+    }
+}
+
+/// `out = base + c x` (`c x` without a base).
+fn portable_write_axpy<E: Scalar>(out: &mut [MaybeUninit<E>], base: Option<&[E]>, c: E, x: &[E]) {
+    match base {
+        Some(base) => {
+            for ((o, &b), &v) in out.iter_mut().zip(base).zip(x) {
+                o.write(b + c * v);
+            }
+        }
+        None => {
+            for (o, &v) in out.iter_mut().zip(x) {
+                o.write(c * v);
+            }
+        }
     }
 }
 
@@ -350,6 +408,34 @@ pub(crate) mod avx2 {
         }
     }
 
+    /// `out = base + c x` (`c x` without a base), every element of `out` written (callers
+    /// check that `base` and `x` are as long as `out`).
+    #[target_feature(enable = "avx2,fma")]
+    pub(crate) fn write_axpy(
+        out: &mut [std::mem::MaybeUninit<f32>],
+        base: Option<&[f32]>,
+        c: f32,
+        x: &[f32],
+    ) {
+        let len = out.len();
+        assert!(x.len() >= len && base.is_none_or(|base| base.len() >= len));
+        let split = len / 8 * 8;
+        let scale = _mm256_set1_ps(c);
+        let target = out.as_mut_ptr().cast::<f32>();
+        for k in (0..split).step_by(8) {
+            let sum = match base {
+                Some(base) => _mm256_fmadd_ps(scale, load(x, k), load(base, k)),
+                None => _mm256_mul_ps(scale, load(x, k)),
+            };
+            // SAFETY: the eight lanes are inside `out` (`k + 8 <= split <= len`).
+            unsafe { _mm256_storeu_ps(target.add(k), sum) };
+        }
+        for k in split..len {
+            let base = base.map_or(0.0, |base| base[k]);
+            out[k].write(base + c * x[k]);
+        }
+    }
+
     /// `out += c x`.
     #[target_feature(enable = "avx2,fma")]
     pub(crate) fn axpy(out: &mut [f32], c: f32, x: &[f32]) {
@@ -392,6 +478,21 @@ pub(crate) mod tests {
             portable_axpy(&mut portable, 0.37, &b);
             for (fast, portable) in fast.iter().zip(&portable) {
                 assert!((fast - portable).abs() <= 1e-6, "axpy, {len}");
+            }
+            // Written whole, with and without a base, against the accumulating axpy.
+            for base in [Some(b.as_slice()), None] {
+                let mut fast = unwritten::<f32>(len);
+                let written = write_axpy(&mut fast, base, 0.37, &a).to_vec();
+                let mut portable = unwritten::<f32>(len);
+                portable_write_axpy(&mut portable, base, 0.37, &a);
+                let portable = unsafe { assume_written(&mut portable) };
+                let mut reference = base.map_or(vec![0.0; len], <[f32]>::to_vec);
+                portable_axpy(&mut reference, 0.37, &a);
+                for ((fast, portable), reference) in written.iter().zip(&*portable).zip(&reference)
+                {
+                    assert!((fast - reference).abs() <= 1e-6, "write_axpy, {len}");
+                    assert!((portable - reference).abs() <= 1e-6, "write_axpy, {len}");
+                }
             }
             // Up to nine vectors: the AVX2 dots go eight at a time.
             let vectors: Vec<Vec<f32>> = (0..9).map(|i| sequence(len, 3 + i)).collect();

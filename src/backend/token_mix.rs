@@ -14,9 +14,10 @@
 //! Composed, every term is a broadcast product and an add forward (two full-size passes), and
 //! backward a scaled copy, a product with its row reduction, the narrow's scatter into `∂W`, and
 //! autodiff's add of `∂x_k` into the state's gradient so far. Here a mixture reads its states
-//! once forward, state by state over blocks of rows that stay in cache. Backward, it takes each
-//! state's gradient so far out of autodiff's container and writes `so far + W[:, k] ∂m` into a
-//! fresh buffer in the pass that computes `∂W`: no add per state and mixture follows. (A
+//! once forward, row by row with the row's sums in registers, and writes the output once.
+//! Backward, it takes each state's gradient so far out of autodiff's container and writes
+//! `so far + W[:, k] ∂m` into a fresh buffer in one pass, in the op that computes `∂W`: no add
+//! per state and mixture follows. (A
 //! gradient that autodiff handed over is only read, never written in place: an in-place update
 //! of a buffer that looked unshared broke MUDD's finite-difference test.)
 //!
@@ -434,7 +435,7 @@ mod flex {
 
     use super::super::autodiff::constant;
     use super::super::flex_kernels::{
-        Scalar, axpy, dot, tensor, unwritten, values, written, zeroed,
+        Scalar, add_weighted_sum, dots, tensor, unwritten, values, write_axpy, written, zeroed,
     };
     use super::MAX_STATES;
 
@@ -526,6 +527,11 @@ mod flex {
         (shape.num_elements() / width.max(1), width)
     }
 
+    /// Row `t` of a `[T, width]` tensor's values.
+    fn token_row<E>(values: &[E], t: usize, width: usize) -> &[E] {
+        &values[t * width..][..width]
+    }
+
     /// Rows per parallel task for states of `width` elements a row.
     fn rows_per_task(width: usize) -> usize {
         (ELEMENTS_PER_TASK / width.max(1)).max(1)
@@ -542,21 +548,32 @@ mod flex {
         out.par_chunks_mut(rows * width)
             .enumerate()
             .for_each(|(task, chunk)| {
-                let chunk = zeroed(chunk);
-                // State by state over the task's rows (in cache): two streams at a time, where
-                // row by row would interleave all `K + 1`.
-                for (k, state) in states.iter().enumerate() {
-                    for (i, row) in chunk.chunks_mut(width).enumerate() {
-                        let t = task * rows + i;
-                        axpy(
-                            row,
-                            weights[t * count + k],
-                            &state[t * width..(t + 1) * width],
-                        );
+                let first = task * rows;
+                let mut terms = Vec::with_capacity(count - 1);
+                // Row by row, the row's sums held in registers across the states: the output
+                // is written once, where state by state it would be read and written per state.
+                for (i, out) in chunk.chunks_mut(width).enumerate() {
+                    let weights = &weights[(first + i) * count..][..count];
+                    let out = write_axpy(
+                        out,
+                        None,
+                        weights[0],
+                        token_row(&states[0], first + i, width),
+                    );
+                    if count == 1 {
+                        continue;
                     }
+                    terms.clear();
+                    terms.extend(
+                        weights[1..]
+                            .iter()
+                            .zip(&states[1..])
+                            .map(|(&weight, state)| (weight, token_row(state, first + i, width))),
+                    );
+                    add_weighted_sum(out, &terms);
                 }
             });
-        // SAFETY: the chunks partition `out`, and each was zeroed before it was written.
+        // SAFETY: the chunks partition `out`, and each row of each was written whole.
         tensor(unsafe { written(out) }, [tokens, width]).reshape(shape)
     }
 
@@ -660,28 +677,32 @@ mod flex {
             .enumerate()
             .for_each(|(task, (outputs, weight_chunk))| {
                 let weight_chunk = zeroed(weight_chunk);
-                let mut outputs: Vec<(usize, &mut [E])> = outputs
-                    .into_iter()
-                    .map(|(k, Rows { sofar, out })| {
-                        let out = zeroed(out);
-                        if let Some(sofar) = sofar {
-                            out.copy_from_slice(sofar);
-                        }
-                        (k, out)
-                    })
-                    .collect();
-                // State by state over the task's rows, as forward; `∂m`'s rows stay in cache.
                 let first = task * rows;
-                let upstream = |i: usize| &grad[(first + i) * width..(first + i + 1) * width];
-                for (k, state) in states.iter().enumerate() {
-                    for (i, weight_row) in weight_chunk.chunks_mut(count).enumerate() {
-                        let t = first + i;
-                        weight_row[k] = dot(upstream(i), &state[t * width..(t + 1) * width]);
-                    }
+                // `∂W[t, :]` row by row: `∂m[t]` read once for up to eight states.
+                let mut rows_of_states = Vec::with_capacity(count);
+                for (i, weight_row) in weight_chunk.chunks_mut(count).enumerate() {
+                    rows_of_states.clear();
+                    rows_of_states.extend(
+                        states
+                            .iter()
+                            .map(|state| token_row(state, first + i, width)),
+                    );
+                    dots(
+                        token_row(&grad, first + i, width),
+                        &rows_of_states,
+                        weight_row,
+                    );
                 }
-                for (k, output) in &mut outputs {
-                    for (i, row) in output.chunks_mut(width).enumerate() {
-                        axpy(row, weights[(first + i) * count + *k], upstream(i));
+                // Each target's rows written once: `so far + W[t, k] ∂m[t]`.
+                for (k, Rows { sofar, out }) in outputs {
+                    for (i, out) in out.chunks_mut(width).enumerate() {
+                        let sofar = sofar.map(|sofar| &sofar[i * width..][..width]);
+                        write_axpy(
+                            out,
+                            sofar,
+                            weights[(first + i) * count + k],
+                            token_row(&grad, first + i, width),
+                        );
                     }
                 }
             });

@@ -38,7 +38,8 @@
 //! A source's logits for every query are one normalised projection (`rms(v) [w_1 … w_Q]`, one
 //! fused op each way on Flex); each mixture's weighted sum is one fused op each way on Flex and
 //! a kernel each way per eight sources on the CubeCL backends, and so is the gathering of its
-//! query's column from every source's logits on the CubeCL backends; the softmax is a tensor op.
+//! query's column from every source's logits on the CubeCL backends; the softmax over the
+//! sources is one kernel each way there, tensor ops elsewhere.
 //!
 //! # Shapes
 //! - input, block inputs, branches and output: `[..., d]` (any rank, last axis the width `d`)
@@ -61,9 +62,8 @@
 
 use burn::module::Param;
 use burn::prelude::*;
-use burn::tensor::activation::softmax;
 
-use crate::backend::{gather_column, rms_projection, token_mix};
+use crate::backend::{gather_column, last_axis_softmax, rms_projection, token_mix};
 use crate::connectivity::{Connectivity, ConnectivityConfig, StreamConnectivity, leading_part};
 use crate::error::{Error, Result, check_depth, check_positive, check_size};
 use crate::matrix::ConnectivityMatrix;
@@ -241,7 +241,7 @@ impl AttentionResiduals {
             }
             None => gathered,
         };
-        let weights = softmax(logits, D - 1);
+        let weights = last_axis_softmax(logits);
         let values = sources
             .iter()
             .map(|source| source.value.clone())

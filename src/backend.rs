@@ -46,7 +46,7 @@ mod layer_norm;
 mod masked_softmax;
 #[cfg(any(feature = "flex", feature = "cube-kernels"))]
 pub(crate) use history_mix::History;
-pub(crate) use masked_softmax::{SoftmaxMask, masked_softmax};
+pub(crate) use masked_softmax::{SoftmaxMask, last_axis_softmax, masked_softmax};
 #[cfg(feature = "flex")]
 pub(crate) mod normed_projection;
 #[cfg(feature = "cube-kernels")]

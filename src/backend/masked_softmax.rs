@@ -1,6 +1,7 @@
 //! A softmax over the entries of a small matrix that a mask keeps, as one op forward and one
 //! backward on the CubeCL backends (a CubeCL kernel each, with its own backward); composed from
-//! tensor ops elsewhere. What ANCRe's coefficients are made of.
+//! tensor ops elsewhere. What ANCRe's coefficients are made of, and, unmasked along the last
+//! axis ([`last_axis_softmax`]), AttnRes's weights over its sources.
 //!
 //! Per line `ℓ` (a column for `axis = 0`, a row for `axis = 1`) of `L` (`[R, C]`), with kept
 //! entries `K_ℓ` and temperature `τ`:
@@ -51,6 +52,7 @@ pub(crate) fn masked_softmax(
                 codes.into_dispatch(),
                 axis,
                 temperature,
+                true,
             ),
         );
     }
@@ -66,6 +68,29 @@ pub(crate) fn masked_softmax(
     softmax(scaled, axis)
         .mask_fill(dropped, 0.0)
         .mask_fill(ones, 1.0)
+}
+
+/// `softmax(L)` along the last axis, every entry kept: one kernel forward and one backward on a
+/// CubeCL device (a unit per line, the lines the entries before the last axis), Burn's
+/// `softmax` elsewhere. AttnRes's weights over its sources.
+pub(crate) fn last_axis_softmax<const D: usize>(logits: Tensor<D>) -> Tensor<D> {
+    #[cfg(feature = "cube-kernels")]
+    if super::is_cube(&logits.device()) && logits.dtype().is_float() {
+        let dims = logits.dims();
+        let length = dims[D - 1];
+        let lines = logits.shape().num_elements() / length.max(1);
+        let lines_first = logits.reshape([lines, length]);
+        // Unmasked: the codes are unread, the logits stand in for them.
+        let weights = <burn::backend::Dispatch as op::MaskedSoftmaxBackend>::masked_softmax(
+            lines_first.clone().into_dispatch(),
+            lines_first.into_dispatch(),
+            1,
+            1.0,
+            false,
+        );
+        return Tensor::<2>::from_dispatch(weights).reshape(dims);
+    }
+    softmax(logits, D - 1)
 }
 
 /// The op and its kernels (CubeCL backends).
@@ -88,13 +113,15 @@ mod op {
         Autodiff
     )]
     pub(crate) trait MaskedSoftmaxBackend: Backend {
-        /// `P` for `logits [R, C]` and `codes` (0 dropped, 1 kept, 2 kept and fixed to 1).
+        /// `P` for `logits [R, C]` and `codes` (0 dropped, 1 kept, 2 kept and fixed to 1);
+        /// without `masked`, every entry is kept and `codes` is unread.
         #[fusion(dtype = logits, shape = logits)]
         fn masked_softmax(
             logits: FloatTensor<Self>,
             codes: FloatTensor<Self>,
             axis: usize,
             temperature: f64,
+            masked: bool,
         ) -> FloatTensor<Self>;
 
         /// `∂L` given `∂P`.
@@ -105,6 +132,7 @@ mod op {
             grad: FloatTensor<Self>,
             axis: usize,
             temperature: f64,
+            masked: bool,
         ) -> FloatTensor<Self>;
     }
 
@@ -112,8 +140,8 @@ mod op {
     struct MaskedSoftmax;
 
     impl<B: MaskedSoftmaxBackend> Backward<B, 2> for MaskedSoftmax {
-        /// The checkpointed logits and codes, the axis and the temperature.
-        type State = (NodeId, NodeId, usize, f64);
+        /// The checkpointed logits and codes, the axis, the temperature and whether masked.
+        type State = (NodeId, NodeId, usize, f64, bool);
 
         fn backward(
             self,
@@ -122,11 +150,12 @@ mod op {
             checkpointer: &mut Checkpointer,
         ) {
             let grad = grads.consume::<B>(&ops.node);
-            let (logits, codes, axis, temperature) = ops.state;
+            let (logits, codes, axis, temperature, masked) = ops.state;
             if let [Some(parent), _] = ops.parents {
                 let logits = checkpointer.retrieve_node_output(logits);
                 let codes = checkpointer.retrieve_node_output(codes);
-                let grad = B::masked_softmax_backward(logits, codes, grad, axis, temperature);
+                let grad =
+                    B::masked_softmax_backward(logits, codes, grad, axis, temperature, masked);
                 grads.register::<B>(parent.id, grad);
             }
         }
@@ -138,12 +167,13 @@ mod op {
             codes: FloatTensor<Self>,
             axis: usize,
             temperature: f64,
+            masked: bool,
         ) -> FloatTensor<Self> {
             tracked_op::<B, C, _, _>(
                 MaskedSoftmax,
                 [logits, codes],
-                |[logits, codes]| B::masked_softmax(logits, codes, axis, temperature),
-                |[logits, codes], _| (logits, codes, axis, temperature),
+                |[logits, codes]| B::masked_softmax(logits, codes, axis, temperature, masked),
+                |[logits, codes], _| (logits, codes, axis, temperature, masked),
             )
         }
 
@@ -153,6 +183,7 @@ mod op {
             grad: FloatTensor<Self>,
             axis: usize,
             temperature: f64,
+            masked: bool,
         ) -> FloatTensor<Self> {
             constant::<B, C>(B::masked_softmax_backward(
                 logits.into_primitive(),
@@ -160,12 +191,14 @@ mod op {
                 grad.into_primitive(),
                 axis,
                 temperature,
+                masked,
             ))
         }
     }
 
     mod cube {
         use burn::backend::cubecl::dtype_to_storage_type;
+        use burn::tensor::Shape;
         use burn_cubecl::kernel::into_contiguous;
         use burn_cubecl::tensor::CubeTensor;
         use cubecl::{CubeDim, calculate_cube_count_elemwise};
@@ -192,9 +225,15 @@ mod op {
             grad: Option<CubeTensor>,
             axis: usize,
             temperature: f64,
+            masked: bool,
         ) -> CubeTensor {
             let logits = into_contiguous(logits);
-            let codes = into_contiguous(codes);
+            let codes = if masked {
+                into_contiguous(codes)
+            } else {
+                // Unread: a buffer of its own rather than a second binding of the logits.
+                empty(&logits, Shape::new([1]))
+            };
             let backward = grad.is_some();
             // The forward reads no gradient: the logits stand in.
             let grad = grad.map_or_else(|| logits.clone(), into_contiguous);
@@ -211,6 +250,7 @@ mod op {
                 axis,
                 kernel_constant(temperature),
                 backward,
+                masked,
                 dtype_to_storage_type(logits.dtype),
             );
             output
@@ -222,8 +262,9 @@ mod op {
                 codes: CubeTensor,
                 axis: usize,
                 temperature: f64,
+                masked: bool,
             ) -> CubeTensor {
-                launch(logits, codes, None, axis, temperature)
+                launch(logits, codes, None, axis, temperature, masked)
             }
 
             fn masked_softmax_backward(
@@ -232,13 +273,24 @@ mod op {
                 grad: CubeTensor,
                 axis: usize,
                 temperature: f64,
+                masked: bool,
             ) -> CubeTensor {
-                launch(logits, codes, Some(grad), axis, temperature)
+                launch(logits, codes, Some(grad), axis, temperature, masked)
             }
         }
 
         mod kernels {
             use cubecl::prelude::*;
+
+            /// Entry `at`'s code: from `codes` where `masked`, else 1 (kept).
+            #[cube]
+            fn code_at<E: Float>(codes: &Tensor<E>, at: usize, #[comptime] masked: bool) -> E {
+                let mut code = E::new(1.0);
+                if comptime!(masked) {
+                    code = codes[at];
+                }
+                code
+            }
 
             /// The largest kept `L / τ` of the line of `length` entries from `base`, `step` apart.
             #[cube]
@@ -249,13 +301,14 @@ mod op {
                 length: usize,
                 step: usize,
                 temperature: E,
+                #[comptime] masked: bool,
             ) -> E {
                 let mut top = E::new(0.0);
                 let mut any = false;
                 for k in 0..length {
                     let at = base + k * step;
                     let value = logits[at] / temperature;
-                    if codes[at] > E::new(0.5) && (!any || value > top) {
+                    if code_at::<E>(codes, at, masked) > E::new(0.5) && (!any || value > top) {
                         top = value;
                         any = true;
                     }
@@ -273,11 +326,12 @@ mod op {
                 step: usize,
                 temperature: E,
                 top: E,
+                #[comptime] masked: bool,
             ) -> E {
                 let mut total = E::new(0.0);
                 for k in 0..length {
                     let at = base + k * step;
-                    if codes[at] > E::new(0.5) {
+                    if code_at::<E>(codes, at, masked) > E::new(0.5) {
                         total += (logits[at] / temperature - top).exp();
                     }
                 }
@@ -295,6 +349,7 @@ mod op {
                 #[comptime] axis: usize,
                 #[comptime] temperature_bits: u32,
                 #[comptime] backward: bool,
+                #[comptime] masked: bool,
                 #[define(E)] _dtype: ElemType,
             ) {
                 let temperature = E::new(comptime!(f32::from_bits(temperature_bits)));
@@ -315,14 +370,15 @@ mod op {
                 if line >= lines {
                     terminate!();
                 }
-                let top = line_max::<E>(logits, codes, base, length, step, temperature);
-                let total = line_total::<E>(logits, codes, base, length, step, temperature, top);
+                let top = line_max::<E>(logits, codes, base, length, step, temperature, masked);
+                let total =
+                    line_total::<E>(logits, codes, base, length, step, temperature, top, masked);
                 // Backward: Σ s g over the kept entries not fixed to 1.
                 let mut dot = E::new(0.0);
                 if comptime!(backward) {
                     for k in 0..length {
                         let at = base + k * step;
-                        let code = codes[at];
+                        let code = code_at::<E>(codes, at, masked);
                         if code > E::new(0.5) && code < E::new(1.5) {
                             dot += (logits[at] / temperature - top).exp() / total * grad[at];
                         }
@@ -330,7 +386,7 @@ mod op {
                 }
                 for k in 0..length {
                     let at = base + k * step;
-                    let code = codes[at];
+                    let code = code_at::<E>(codes, at, masked);
                     let mut value = E::new(0.0);
                     if code > E::new(0.5) {
                         let share = (logits[at] / temperature - top).exp() / total;
@@ -358,7 +414,7 @@ mod tests {
     use burn::prelude::*;
     use burn::tensor::Tolerance;
 
-    use super::{SoftmaxMask, masked_softmax};
+    use super::{SoftmaxMask, last_axis_softmax, masked_softmax};
     use crate::device::device;
     use crate::test_util::fixed_normal;
 
@@ -391,6 +447,32 @@ mod tests {
                     .backward();
                 [
                     p.into_data(),
+                    logits.grad(&grads).expect("tracked").into_data(),
+                ]
+            };
+            for (kernel, composed) in run(&wgpu).iter().zip(run(&flex)) {
+                kernel.assert_approx_eq::<f32>(&composed, Tolerance::absolute(1e-5));
+            }
+        }
+    }
+
+    /// The unmasked kernels along the last axis of a rank-3 tensor (7 lines of 5 entries, 13
+    /// of 1) on wgpu against Burn's softmax on Flex, values and the gradient of the logits.
+    #[test]
+    fn last_axis_kernels_match_the_softmax() {
+        let flex = Device::flex().autodiff();
+        let wgpu = device("wgpu").expect("wgpu compiled in").autodiff();
+        for shape in [[1, 7, 5], [13, 1, 1]] {
+            let logits = fixed_normal(shape, 2.0, 3, &flex);
+            let probe = fixed_normal(shape, 1.0, 4, &flex);
+            let run = |device: &Device| {
+                let logits = logits.clone().to_device(device).require_grad();
+                let weights = last_axis_softmax(logits.clone() * 1.0);
+                let grads = (weights.clone() * probe.clone().to_device(device))
+                    .sum()
+                    .backward();
+                [
+                    weights.into_data(),
                     logits.grad(&grads).expect("tracked").into_data(),
                 ]
             };

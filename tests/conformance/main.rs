@@ -12,13 +12,18 @@
 //! its checks are done), then `N passed, M failed`, and exits with status 1 if any check fails
 //! (2 on a usage or file error). A test target with its own `main` (`harness = false`): libtest's
 //! own flags (`--nocapture`, filters) are ignored.
-//! `BURN_CONNECTIVITY_SKIP_WGPU=1` leaves wgpu out of the default list.
+//! `BURN_CONNECTIVITY_SKIP_WGPU=1` leaves wgpu out of the default list. `--float f64` runs every
+//! model and input in f64 on each device (the golden values, stored in f32, are read into f64):
+//! on CUDA, where Burn's f32 matrix products run in TF32 (about three decimal digits, so f32
+//! runs there miss the f32 tolerances), this checks the crate's kernels without TF32. Flex,
+//! NdArray and CUDA only: it is refused on wgpu, Vulkan and Metal (see `tests/golden/README.md`).
 
 mod checks;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
 
+use burn::tensor::FloatDType;
 use burn_connectivity::device::{compiled_backends, device};
 
 struct Flags {
@@ -26,12 +31,15 @@ struct Flags {
     devices: Vec<String>,
     /// The golden files to check, by name (`hc`, `mhc`, ...); all where empty.
     only: Vec<String>,
+    /// The float type the models and inputs run in (`--float f32|f64`, default f32).
+    float: FloatDType,
 }
 
 fn parse(args: impl Iterator<Item = String>) -> Result<Flags, String> {
     let mut dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/golden");
     let mut devices = Vec::new();
     let mut only = Vec::new();
+    let mut float = FloatDType::F32;
     let mut args = args.peekable();
     while let Some(arg) = args.next() {
         let mut value = |flag: &str| args.next().ok_or_else(|| format!("{flag} needs a value"));
@@ -39,6 +47,13 @@ fn parse(args: impl Iterator<Item = String>) -> Result<Flags, String> {
             "--dir" => dir = PathBuf::from(value("--dir")?),
             "--device" => devices.extend(value("--device")?.split(',').map(str::to_string)),
             "--only" => only.extend(value("--only")?.split(',').map(str::to_string)),
+            "--float" => {
+                float = match value("--float")?.as_str() {
+                    "f32" => FloatDType::F32,
+                    "f64" => FloatDType::F64,
+                    other => return Err(format!("--float {other}: f32 or f64")),
+                }
+            }
             _ => {} // libtest's flags and filters
         }
     }
@@ -57,7 +72,12 @@ fn parse(args: impl Iterator<Item = String>) -> Result<Flags, String> {
             known.join(", ")
         ));
     }
-    Ok(Flags { dir, devices, only })
+    Ok(Flags {
+        dir,
+        devices,
+        only,
+        float,
+    })
 }
 
 pub fn main() -> ExitCode {
@@ -90,8 +110,19 @@ fn run() -> Result<bool, String> {
         .collect();
     let (mut total, mut failed) = (0, 0);
     for name in &flags.devices {
-        let device = device(name).map_err(|err| err.to_string())?;
-        println!("== {name}");
+        if flags.float == FloatDType::F64 && ["wgpu", "vulkan", "metal"].contains(&name.as_str()) {
+            // Burn 0.22.1 takes the setting there, then computes wrong values (a plain
+            // `tanh(x W + b)` on lavapipe): a refusal rather than a run of false failures.
+            return Err(format!("{name}: --float f64 is for flex, ndarray and cuda"));
+        }
+        let mut device = device(name).map_err(|err| err.to_string())?;
+        if flags.float != FloatDType::F32 {
+            // Before any tensor on the device: its default float type locks on first use.
+            device
+                .configure(flags.float)
+                .map_err(|err| format!("{name}: --float {:?}: {err}", flags.float))?;
+        }
+        println!("== {name} ({:?})", flags.float);
         // Each file's lines as soon as its checks are done: on a GPU the first run of a check
         // compiles its kernels, and a run cut off by a time limit keeps the files it finished.
         let results = checks::run_dir(&flags.dir, &device, &flags.only, |_, checks| {

@@ -18,8 +18,12 @@
 #   cuda-profile    per-kernel times of one HC and one mHC train step (CUBECL_DEBUG_OPTION=profile)
 #   profile-groups  the same for mHC with each row group in $ROW_GROUPS (default "16 32"): the
 #                   units per row of the tiled row kernels (BURN_CONNECTIVITY_ROW_GROUP)
-#   conformance     the golden vectors on CUDA (each file's checks as it finishes)
+#   conformance     the golden vectors on CUDA in f64 (`--float f64`: f32 matrix products run
+#                   in TF32 there, which the f32 tolerances do not allow; each file's checks as
+#                   it finishes)
 #   conformance-tables  the same, HC, mHC, V4 and mHC-lite only
+#   conformance-f32 the golden vectors on CUDA in f32, TF32 products included (a record of
+#                   TF32's error, not a pass/fail check)
 #   tables-train    the train step of HC and mHC on CUDA
 #   new-tables      the train step of V4 and mHC-lite on CUDA (their connection tables)
 #   vulkan-train    the train step on wgpu's Vulkan path (SPIR-V)
@@ -168,12 +172,16 @@ run_stage() {
             BURN_CONNECTIVITY_ROW_GROUP=$group profile mhc
         done ;;
     conformance)
-        step 240 "${RUN[@]}" $BIN/conformance --dir tests/golden --device cuda \
+        step 240 "${RUN[@]}" $BIN/conformance --dir tests/golden --device cuda --float f64 \
             >>"$OUT/conformance.log" 2>&1
         grep -aE 'passed|FAIL' "$OUT/conformance.log" | tail -5 ;;
+    conformance-f32)
+        step 240 "${RUN[@]}" $BIN/conformance --dir tests/golden --device cuda \
+            >>"$OUT/conformance-f32.log" 2>&1
+        grep -aE 'passed' "$OUT/conformance-f32.log" | tail -2 ;;
     conformance-tables)
         # The connection-table families alone (HC, mHC, V4, mHC-lite): a short lease's check.
-        step 150 "${RUN[@]}" $BIN/conformance --dir tests/golden --device cuda \
+        step 150 "${RUN[@]}" $BIN/conformance --dir tests/golden --device cuda --float f64 \
             --only hc,mhc,mhc_v4,mhc_lite >>"$OUT/conformance.log" 2>&1
         grep -aE 'passed|FAIL' "$OUT/conformance.log" | tail -20 ;;
     tables-train) bench 150 cuda train-step hc,mhc ;;

@@ -418,9 +418,32 @@ mod tests {
     use crate::device::device;
     use crate::test_util::fixed_normal;
 
-    /// The kernels on wgpu against the composed form on Flex, values and the gradient of the
-    /// logits, along both axes: a strictly upper-triangular mask (a first column and a last row
-    /// with nothing kept), two entries fixed to 1 (one alone in its column, one sharing its
+    /// `softmax(L)`'s values and `∂L` (of `Σ softmax(L) · probe`) on wgpu's kernels and on Flex's
+    /// composed form agree, for `logits` and `probe` on Flex.
+    fn kernels_agree_with_flex<const D: usize>(
+        logits: &Tensor<D>,
+        probe: &Tensor<D>,
+        softmax: impl Fn(Tensor<D>) -> Tensor<D>,
+    ) {
+        let run = |device: &Device| {
+            let logits = logits.clone().to_device(device).require_grad();
+            let weights = softmax(logits.clone() * 1.0);
+            let grads = (weights.clone() * probe.clone().to_device(device))
+                .sum()
+                .backward();
+            [
+                weights.into_data(),
+                logits.grad(&grads).expect("tracked").into_data(),
+            ]
+        };
+        let wgpu = device("wgpu").expect("wgpu compiled in").autodiff();
+        for (kernel, composed) in run(&wgpu).iter().zip(run(&logits.device())) {
+            kernel.assert_approx_eq::<f32>(&composed, Tolerance::absolute(1e-5));
+        }
+    }
+
+    /// The kernels along both axes: a strictly upper-triangular mask (a first column and a last
+    /// row with nothing kept), two entries fixed to 1 (one alone in its column, one sharing its
     /// row), temperature 0.7.
     #[test]
     fn kernels_match_the_composed_softmax() {
@@ -435,50 +458,24 @@ mod tests {
             ones,
         };
         let flex = Device::flex().autodiff();
-        let wgpu = device("wgpu").expect("wgpu compiled in").autodiff();
         let logits = fixed_normal([size, size], 1.0, 1, &flex);
         let probe = fixed_normal([size, size], 1.0, 2, &flex);
         for axis in [0, 1] {
-            let run = |device: &Device| {
-                let logits = logits.clone().to_device(device).require_grad();
-                let p = masked_softmax(logits.clone() * 1.0, &mask, axis, 0.7);
-                let grads = (p.clone() * probe.clone().to_device(device))
-                    .sum()
-                    .backward();
-                [
-                    p.into_data(),
-                    logits.grad(&grads).expect("tracked").into_data(),
-                ]
-            };
-            for (kernel, composed) in run(&wgpu).iter().zip(run(&flex)) {
-                kernel.assert_approx_eq::<f32>(&composed, Tolerance::absolute(1e-5));
-            }
+            kernels_agree_with_flex(&logits, &probe, |logits| {
+                masked_softmax(logits, &mask, axis, 0.7)
+            });
         }
     }
 
     /// The unmasked kernels along the last axis of a rank-3 tensor (7 lines of 5 entries, 13
-    /// of 1) on wgpu against Burn's softmax on Flex, values and the gradient of the logits.
+    /// of 1) against Burn's softmax.
     #[test]
     fn last_axis_kernels_match_the_softmax() {
         let flex = Device::flex().autodiff();
-        let wgpu = device("wgpu").expect("wgpu compiled in").autodiff();
         for shape in [[1, 7, 5], [13, 1, 1]] {
             let logits = fixed_normal(shape, 2.0, 3, &flex);
             let probe = fixed_normal(shape, 1.0, 4, &flex);
-            let run = |device: &Device| {
-                let logits = logits.clone().to_device(device).require_grad();
-                let weights = last_axis_softmax(logits.clone() * 1.0);
-                let grads = (weights.clone() * probe.clone().to_device(device))
-                    .sum()
-                    .backward();
-                [
-                    weights.into_data(),
-                    logits.grad(&grads).expect("tracked").into_data(),
-                ]
-            };
-            for (kernel, composed) in run(&wgpu).iter().zip(run(&flex)) {
-                kernel.assert_approx_eq::<f32>(&composed, Tolerance::absolute(1e-5));
-            }
+            kernels_agree_with_flex(&logits, &probe, last_axis_softmax);
         }
     }
 }

@@ -17,9 +17,9 @@
 //! once forward, row by row with the row's sums in registers, and writes the output once.
 //! Backward, it takes each state's gradient so far out of autodiff's container and writes
 //! `so far + W[:, k] ∂m` into a fresh buffer in one pass, in the op that computes `∂W`: no add
-//! per state and mixture follows. (A
-//! gradient that autodiff handed over is only read, never written in place: an in-place update
-//! of a buffer that looked unshared broke MUDD's finite-difference test.)
+//! per state and mixture follows. (A gradient that autodiff handed over is only read, never
+//! written in place: an in-place update of a buffer that looked unshared broke MUDD's
+//! finite-difference test.)
 //!
 //! Under autodiff the op's parents are `W` and every state (padded to a fixed count by repeating
 //! `W`, which gets no gradient through the padding), so Burn orders its backward like any op's

@@ -74,7 +74,7 @@ fn parse(args: impl Iterator<Item = String>) -> Result<Flags, String> {
         let skip_wgpu = std::env::var_os("BURN_CONNECTIVITY_SKIP_WGPU").is_some();
         devices = compiled_backends()
             .into_iter()
-            .filter(|name| !(skip_wgpu && *name == "wgpu") && !without_f64(*name))
+            .filter(|&name| !((skip_wgpu && name == "wgpu") || without_f64(name)))
             .map(str::to_string)
             .collect();
     }

@@ -25,6 +25,7 @@
 #   conformance-f32 the golden vectors on CUDA in f32, TF32 products included (a record of
 #                   TF32's error, not a pass/fail check)
 #   tables-train    the train step of HC and mHC on CUDA
+#   tables-train-group  the same with the row kernels' units per row set to $ROW_GROUP (default 32)
 #   new-tables      the train step of V4 and mHC-lite on CUDA (their connection tables)
 #   vulkan-train    the train step on wgpu's Vulkan path (SPIR-V)
 #   counts          kernel counts on Vulkan, depth 12
@@ -119,6 +120,9 @@ export LD_LIBRARY_PATH
     python3 -c 'import torch, hyper_connections; print("torch", torch.__version__, "cuda", torch.version.cuda)'
     nproc
     echo "$VULKAN"
+    # libGLX_nvidia, NVIDIA's Vulkan driver, links glvnd's libGLdispatch: without it the loader
+    # cannot create an instance (the 2026-11-27 H200), so .gl carries glvnd too.
+    ldconfig -p | grep -E 'libvulkan.so.1|libGLdispatch' | sed 's/^/ldconfig: /'
 } >"$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 
@@ -185,6 +189,8 @@ run_stage() {
             --only hc,mhc,mhc_v4,mhc_lite >>"$OUT/conformance.log" 2>&1
         grep -aE 'passed|FAIL' "$OUT/conformance.log" | tail -20 ;;
     tables-train) bench 150 cuda train-step hc,mhc ;;
+    tables-train-group)
+        BURN_CONNECTIVITY_ROW_GROUP=${ROW_GROUP:-32} bench 150 cuda train-step hc,mhc ;;
     new-tables) bench 150 cuda train-step mhc_v4,mhc_lite ;;
     vulkan-train) bench 240 vulkan train-step "$TARGETS" ;;
     counts)

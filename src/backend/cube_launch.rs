@@ -38,16 +38,28 @@ const TILE_SHARED_BYTES: usize = 24 * 1024;
 /// Units that stride one row in the tiled row kernels.
 const ROW_GROUP: usize = 8;
 
-/// [`ROW_GROUP`], or `BURN_CONNECTIVITY_ROW_GROUP` (a power of two from 4 to 32) where set: a
-/// tuning knob for measuring the tiled kernels on a GPU, read once per process.
+/// [`ROW_GROUP`], or `BURN_CONNECTIVITY_ROW_GROUP` (a power of two from 2 to 32) where set: a
+/// tuning knob for measuring the tiled kernels on a GPU, read once per process. On an H200, 16
+/// and 32 were slower than 8 (fewer rows per cube share each weight tile; BENCHMARKS.md).
 fn row_group() -> usize {
     static GROUP: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     *GROUP.get_or_init(|| {
         std::env::var("BURN_CONNECTIVITY_ROW_GROUP")
             .ok()
             .and_then(|value| value.parse::<usize>().ok())
-            .filter(|group| group.is_power_of_two() && (4..=32).contains(group))
+            .filter(|group| group.is_power_of_two() && (2..=32).contains(group))
             .unwrap_or(ROW_GROUP)
+    })
+}
+
+/// Whether [`weights_product`] runs Burn's matmul rather than its own two kernels:
+/// `BURN_CONNECTIVITY_WEIGHTS_PRODUCT=matmul`, a knob for measuring both on a GPU (the matmul was
+/// faster for mHC's shape and ten times slower for HC's, measured on different GPUs), read once
+/// per process.
+fn product_by_matmul() -> bool {
+    static MATMUL: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *MATMUL.get_or_init(|| {
+        std::env::var("BURN_CONNECTIVITY_WEIGHTS_PRODUCT").is_ok_and(|value| value == "matmul")
     })
 }
 
@@ -159,8 +171,13 @@ const PRODUCT_ROWS: usize = 32;
 /// one row of a `[chunks, w · C]` table that [`column_sums`] reduces: two kernels. Burn's matmul
 /// took this skinny product before (a swapped `[w, R]` view times `[R, C]`): on an H100 through
 /// CUDA that took 1.4 ms per block of HC's train step at `R = 32768, w = 768, C = 5` (the
-/// residual's whole block: 4.9 ms), 0.13 ms for mHC's `R = 8192, w = 3072, C = 24`.
+/// residual's whole block: 4.9 ms), 0.13 ms for mHC's `R = 8192, w = 3072, C = 24`, where
+/// this kernel takes 0.25 ms on an H200. `BURN_CONNECTIVITY_WEIGHTS_PRODUCT=matmul` takes Burn's
+/// matmul again, to measure both on one GPU ([`product_by_matmul`]).
 pub(crate) fn weights_product(rows: CubeTensor, scaled_grad: CubeTensor) -> CubeTensor {
+    if product_by_matmul() {
+        return Cube::float_matmul(Cube::float_swap_dims(rows, 0, 1), scaled_grad);
+    }
     let rows = into_contiguous(rows);
     let scaled_grad = into_contiguous(scaled_grad);
     let [count, width] = rows.meta.shape().dims::<2>();

@@ -16,8 +16,10 @@
 #   cuda-train      the model workload's train step on CUDA, the targets' variants
 #   cuda-forward    its forward pass
 #   cuda-profile    per-kernel times of one HC and one mHC train step (CUBECL_DEBUG_OPTION=profile)
-#   profile-groups  the same for mHC with each row group in $ROW_GROUPS (default "16 32"): the
+#   profile-groups  the same for mHC with each row group in $ROW_GROUPS (default "4 2"): the
 #                   units per row of the tiled row kernels (BURN_CONNECTIVITY_ROW_GROUP)
+#   profile-product the same for HC and mHC with the weights' gradient through Burn's matmul
+#                   (BURN_CONNECTIVITY_WEIGHTS_PRODUCT=matmul) instead of the crate's kernels
 #   conformance     the golden vectors on CUDA in f64 (`--float f64`: f32 matrix products run
 #                   in TF32 there, which the f32 tolerances do not allow; each file's checks as
 #                   it finishes)
@@ -171,10 +173,13 @@ run_stage() {
     cuda-forward) bench 100 cuda forward "$TARGETS" ;;
     cuda-profile) profile hc,mhc ;;
     profile-groups)
-        for group in ${ROW_GROUPS:-16 32}; do
+        for group in ${ROW_GROUPS:-4 2}; do
             echo "## row group $group" >>"$OUT/profile.log"
             BURN_CONNECTIVITY_ROW_GROUP=$group profile mhc
         done ;;
+    profile-product)
+        echo "## weights product by matmul" >>"$OUT/profile.log"
+        BURN_CONNECTIVITY_WEIGHTS_PRODUCT=matmul profile hc,mhc ;;
     conformance)
         step 240 "${RUN[@]}" $BIN/conformance --dir tests/golden --device cuda --float f64 \
             >>"$OUT/conformance.log" 2>&1

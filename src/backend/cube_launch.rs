@@ -39,8 +39,8 @@ const TILE_SHARED_BYTES: usize = 24 * 1024;
 const ROW_GROUP: usize = 8;
 
 /// [`ROW_GROUP`], or `BURN_CONNECTIVITY_ROW_GROUP` (a power of two from 2 to 32) where set: a
-/// tuning knob for measuring the tiled kernels on a GPU, read once per process. On an H200, 16
-/// and 32 were slower than 8 (fewer rows per cube share each weight tile; BENCHMARKS.md).
+/// tuning knob for measuring the tiled kernels on a GPU, read once per process (any other value
+/// leaves the default). On an H200, 16 and 32 were slower than 8 (BENCHMARKS.md, fifth lease).
 fn row_group() -> usize {
     static GROUP: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     *GROUP.get_or_init(|| {

@@ -9,7 +9,9 @@
 #
 # SECONDS is the whole budget: each stage gets its own limit, cut to what is left, and a stage
 # that would start with under 5 s is skipped. A stage written with a trailing & (`lm&`) runs
-# in the background beside the stages after it: only for stages that time nothing. Stages, in the default order (what the 2026-11-26
+# in the background beside the stages after it: only for stages that time nothing, and only
+# where no stage after it times anything either (a background run shares the GPU: the
+# 2026-11-27 Vulkan table ran beside the CUDA conformance run). Stages, in the default order (what the 2026-11-26
 # H200 lease taught: compiling and autotuning dominate, about 65 s for a forward pass of six
 # variants on CUDA, 105 s for their train step, over 170 s for every variant on Vulkan):
 #   peer            PyTorch's residual, lucidrains' HC and mHC, model workload (about 15 s)
@@ -128,6 +130,16 @@ export LD_LIBRARY_PATH
 } >"$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 
+# with_env NAME=VALUE CMD...: CMD with NAME=VALUE added to the programs' environment through
+# RUN, so that step's `== ...` line (the record in the logs) shows it.
+with_env() {
+    local saved=("${RUN[@]}")
+    RUN+=("$1")
+    shift
+    "$@"
+    RUN=("${saved[@]}")
+}
+
 TARGETS=hacn,ancre,dwa,hc,mhc
 NEW=attnres,block_attnres,mhc_v4,laurel,mhc_lite,mudd
 bench() { # bench LIMIT DEVICE PASS VARIANTS
@@ -175,11 +187,11 @@ run_stage() {
     profile-groups)
         for group in ${ROW_GROUPS:-4 2}; do
             echo "## row group $group" >>"$OUT/profile.log"
-            BURN_CONNECTIVITY_ROW_GROUP=$group profile mhc
+            with_env BURN_CONNECTIVITY_ROW_GROUP="$group" profile mhc
         done ;;
     profile-product)
         echo "## weights product by matmul" >>"$OUT/profile.log"
-        BURN_CONNECTIVITY_WEIGHTS_PRODUCT=matmul profile hc,mhc ;;
+        with_env BURN_CONNECTIVITY_WEIGHTS_PRODUCT=matmul profile hc,mhc ;;
     conformance)
         step 240 "${RUN[@]}" $BIN/conformance --dir tests/golden --device cuda --float f64 \
             >>"$OUT/conformance.log" 2>&1
@@ -195,11 +207,11 @@ run_stage() {
         grep -aE 'passed|FAIL' "$OUT/conformance.log" | tail -20 ;;
     tables-train) bench 150 cuda train-step hc,mhc ;;
     tables-train-group)
-        BURN_CONNECTIVITY_ROW_GROUP=${ROW_GROUP:-32} bench 150 cuda train-step hc,mhc ;;
+        with_env BURN_CONNECTIVITY_ROW_GROUP="${ROW_GROUP:-32}" bench 150 cuda train-step hc,mhc ;;
     new-tables) bench 150 cuda train-step mhc_v4,mhc_lite ;;
     vulkan-train) bench 240 vulkan train-step "$TARGETS" ;;
     counts)
-        step 120 "${RUN[@]}" $BIN/kernel_counts --device vulkan --depth 12 --variants "$TARGETS" \
+        step 240 "${RUN[@]}" $BIN/kernel_counts --device vulkan --depth 12 --variants "$TARGETS" \
             >>"$OUT/counts.log" 2>&1
         grep -a '"pass": "train_step"' "$OUT/counts.log" | tail -6 ;;
     new-variants) bench 200 cuda train-step "$NEW" ;;
@@ -222,7 +234,8 @@ run_stage() {
 }
 
 # A stage named with a trailing & runs beside the ones after it (for the stages that time
-# nothing: conformance, counts, lm); the script waits for all of them at the end.
+# nothing: conformance, counts, lm, and only before stages that time nothing either); the
+# script waits for all of them at the end.
 background=()
 for stage in "${STAGES[@]}"; do
     if [[ $stage == *'&' ]]; then

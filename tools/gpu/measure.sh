@@ -11,9 +11,10 @@
 # that would start with under 5 s is skipped. A stage written with a trailing & (`lm&`) runs
 # in the background beside the stages after it: only for stages that time nothing, and only
 # where no stage after it times anything either (a background run shares the GPU: the
-# 2026-11-27 Vulkan table ran beside the CUDA conformance run). Stages, in the default order (what the 2026-11-26
-# H200 lease taught: compiling and autotuning dominate, about 65 s for a forward pass of six
-# variants on CUDA, 105 s for their train step, over 170 s for every variant on Vulkan):
+# 2026-11-27 Vulkan table ran beside the CUDA conformance run). Stages, in the default order
+# (what the 2026-11-26 H200 lease taught: compiling and autotuning dominate, about 65 s for a
+# forward pass of six variants on CUDA, 105 s for their train step, over 170 s for every
+# variant on Vulkan):
 #   peer            PyTorch's residual, lucidrains' HC and mHC, model workload (about 15 s)
 #   cuda-train      the model workload's train step on CUDA, the targets' variants
 #   cuda-forward    its forward pass
@@ -165,6 +166,13 @@ lm_runs() {
     done >>"$OUT/lm.log"
 }
 
+golden() { # golden LIMIT LOG [FLAG ...]: the conformance runner on CUDA, appended to $OUT/LOG
+    local limit=$1 log=$2
+    shift 2
+    step "$limit" "${RUN[@]}" $BIN/conformance --dir tests/golden --device cuda "$@" \
+        >>"$OUT/$log" 2>&1
+}
+
 # profile VARIANTS: CubeCL logs each kernel's time ("| 1.2ms | name") and a summary per sync,
 # but only to a sink a cubecl.toml in the working directory names (CUBECL_DEBUG_OPTION alone
 # sets the level and no sink).
@@ -193,17 +201,14 @@ run_stage() {
         echo "## weights product by matmul" >>"$OUT/profile.log"
         with_env BURN_CONNECTIVITY_WEIGHTS_PRODUCT=matmul profile hc,mhc ;;
     conformance)
-        step 240 "${RUN[@]}" $BIN/conformance --dir tests/golden --device cuda --float f64 \
-            >>"$OUT/conformance.log" 2>&1
+        golden 240 conformance.log --float f64
         grep -aE 'passed|FAIL' "$OUT/conformance.log" | tail -5 ;;
     conformance-f32)
-        step 240 "${RUN[@]}" $BIN/conformance --dir tests/golden --device cuda \
-            >>"$OUT/conformance-f32.log" 2>&1
+        golden 240 conformance-f32.log
         grep -aE 'passed' "$OUT/conformance-f32.log" | tail -2 ;;
     conformance-tables)
         # The connection-table families alone (HC, mHC, V4, mHC-lite): a short lease's check.
-        step 150 "${RUN[@]}" $BIN/conformance --dir tests/golden --device cuda --float f64 \
-            --only hc,mhc,mhc_v4,mhc_lite >>"$OUT/conformance.log" 2>&1
+        golden 150 conformance.log --float f64 --only hc,mhc,mhc_v4,mhc_lite
         grep -aE 'passed|FAIL' "$OUT/conformance.log" | tail -20 ;;
     tables-train) bench 150 cuda train-step hc,mhc ;;
     tables-train-group)

@@ -52,14 +52,36 @@ fn row_group() -> usize {
     })
 }
 
-/// Whether [`weights_product`] runs Burn's matmul rather than its own two kernels:
-/// `BURN_CONNECTIVITY_WEIGHTS_PRODUCT=matmul`, a knob for measuring both on a GPU (the matmul was
-/// faster for mHC's shape and ten times slower for HC's, measured on different GPUs), read once
-/// per process.
-fn product_by_matmul() -> bool {
-    static MATMUL: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *MATMUL.get_or_init(|| {
-        std::env::var("BURN_CONNECTIVITY_WEIGHTS_PRODUCT").is_ok_and(|value| value == "matmul")
+/// How [`weights_product`] runs: Burn's matmul, or its own two kernels taking `rows_per_step`
+/// rows of `x` per step of a unit's loop.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum ProductPath {
+    Matmul,
+    Kernel { rows_per_step: usize },
+}
+
+/// Rows per step of [`weights_product`]'s loop: its loads issued together, so a unit waits on
+/// memory once per step rather than once per row.
+const PRODUCT_ROWS_PER_STEP: usize = 8;
+
+/// [`ProductPath::Kernel`] with [`PRODUCT_ROWS_PER_STEP`], or `BURN_CONNECTIVITY_WEIGHTS_PRODUCT`
+/// where set: `matmul` (Burn's matmul; faster than the crate's kernel for mHC's shape and ten
+/// times slower for HC's, measured on different GPUs) or the rows per step, a power of two from 1
+/// (the kernel before the steps) to 16. A knob for measuring the forms on one GPU, read once per
+/// process; any other value leaves the default.
+fn product_path() -> ProductPath {
+    static PATH: std::sync::OnceLock<ProductPath> = std::sync::OnceLock::new();
+    *PATH.get_or_init(|| {
+        let value = std::env::var("BURN_CONNECTIVITY_WEIGHTS_PRODUCT").unwrap_or_default();
+        if value == "matmul" {
+            return ProductPath::Matmul;
+        }
+        let rows_per_step = value
+            .parse::<usize>()
+            .ok()
+            .filter(|rows| rows.is_power_of_two() && *rows <= 16)
+            .unwrap_or(PRODUCT_ROWS_PER_STEP);
+        ProductPath::Kernel { rows_per_step }
     })
 }
 
@@ -168,16 +190,21 @@ const PRODUCT_ROWS: usize = 32;
 ///
 /// Each cube takes a run of rows and `CUBE_DIM` columns of `x`, one unit per column (the reads of
 /// `x` coalesced, each row of `s ⊙ δ` read by every unit alike), and writes its partial sums as
-/// one row of a `[chunks, w · C]` table that [`column_sums`] reduces: two kernels. Burn's matmul
-/// took this skinny product before (a swapped `[w, R]` view times `[R, C]`): on an H100 through
-/// CUDA that took 1.4 ms per block of HC's train step at `R = 32768, w = 768, C = 5` (the
-/// residual's whole block: 4.9 ms), 0.13 ms for mHC's `R = 8192, w = 3072, C = 24`, where
-/// this kernel takes 0.25 ms on an H200. `BURN_CONNECTIVITY_WEIGHTS_PRODUCT=matmul` takes Burn's
-/// matmul again, to measure both on one GPU ([`product_by_matmul`]).
+/// one row of a `[chunks, w · C]` table that [`column_sums`] reduces: two kernels. A unit's loop
+/// takes [`PRODUCT_ROWS_PER_STEP`] rows per step, their loads first: one row per step left each
+/// unit waiting on one load at a time. Burn's matmul took this skinny product before (a swapped
+/// `[w, R]` view times `[R, C]`): on an H100 through CUDA that took 1.4 ms per block of HC's
+/// train step at `R = 32768, w = 768, C = 5` (the residual's whole block: 4.9 ms), 0.13 ms for
+/// mHC's `R = 8192, w = 3072, C = 24`, where this kernel with one row per step takes 0.25 ms on
+/// an H200. `BURN_CONNECTIVITY_WEIGHTS_PRODUCT` picks the matmul or the rows per step, to
+/// measure the forms on one GPU ([`product_path`]).
 pub(crate) fn weights_product(rows: CubeTensor, scaled_grad: CubeTensor) -> CubeTensor {
-    if product_by_matmul() {
-        return Cube::float_matmul(Cube::float_swap_dims(rows, 0, 1), scaled_grad);
-    }
+    let rows_per_step = match product_path() {
+        ProductPath::Matmul => {
+            return Cube::float_matmul(Cube::float_swap_dims(rows, 0, 1), scaled_grad);
+        }
+        ProductPath::Kernel { rows_per_step } => rows_per_step,
+    };
     let rows = into_contiguous(rows);
     let scaled_grad = into_contiguous(scaled_grad);
     let [count, width] = rows.meta.shape().dims::<2>();
@@ -201,6 +228,7 @@ pub(crate) fn weights_product(rows: CubeTensor, scaled_grad: CubeTensor) -> Cube
         chunk_rows,
         columns,
         column_cubes,
+        rows_per_step,
         dtype_to_storage_type(rows.dtype),
     );
     Cube::float_reshape(column_sums(partials), Shape::new([width, columns]))
@@ -726,8 +754,10 @@ pub(crate) mod kernels {
 
     /// Rows `chunk · k .. (chunk + 1) · k` (`k = chunk_rows`) and one unit per column `j` of
     /// `rows [R, w]`: `partials[chunk, j · C + c] = Σ_r rows[r, j] · scaled_grad[r, c]` over
-    /// those rows (see [`weights_product`](super::weights_product)).
+    /// those rows, `rows_per_step` rows per step of the loop, loaded before any is used (see
+    /// [`weights_product`](super::weights_product)).
     #[cube(launch)]
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn weights_product_kernel<E: Float>(
         rows: &Tensor<E>,
         scaled_grad: &Tensor<E>,
@@ -735,6 +765,7 @@ pub(crate) mod kernels {
         chunk_rows: usize,
         #[comptime] columns: usize,
         #[comptime] column_cubes: usize,
+        #[comptime] rows_per_step: usize,
         #[define(E)] _dtype: ElemType,
     ) {
         let cube = CUBE_POS;
@@ -755,12 +786,29 @@ pub(crate) mod kernels {
         for c in 0..columns {
             sums[c] = E::new(0.0);
         }
-        for r in first..last {
+        let mut r = first;
+        let mut xs = Array::<E>::new(rows_per_step);
+        while r + rows_per_step <= last {
+            #[unroll]
+            for u in 0..rows_per_step {
+                xs[u] = rows[(r + u) * width + j];
+            }
+            #[unroll]
+            for u in 0..rows_per_step {
+                #[unroll]
+                for c in 0..columns {
+                    sums[c] += xs[u] * scaled_grad[(r + u) * columns + c];
+                }
+            }
+            r += rows_per_step;
+        }
+        while r < last {
             let x = rows[r * width + j];
             #[unroll]
             for c in 0..columns {
                 sums[c] += x * scaled_grad[r * columns + c];
             }
+            r += 1;
         }
         let base = (chunk * width + j) * columns;
         #[unroll]

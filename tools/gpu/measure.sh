@@ -21,8 +21,10 @@
 #   cuda-profile    per-kernel times of one HC and one mHC train step (CUBECL_DEBUG_OPTION=profile)
 #   profile-groups  the same for mHC with each row group in $ROW_GROUPS (default "4 2"): the
 #                   units per row of the tiled row kernels (BURN_CONNECTIVITY_ROW_GROUP)
-#   profile-product the same for HC and mHC with the weights' gradient through Burn's matmul
-#                   (BURN_CONNECTIVITY_WEIGHTS_PRODUCT=matmul) instead of the crate's kernels
+#   profile-product the same for HC and mHC with each form of the weights' gradient in
+#                   $PRODUCTS (default "matmul 1"; BURN_CONNECTIVITY_WEIGHTS_PRODUCT): Burn's
+#                   matmul, or the crate's kernels with that many rows per step (default 8;
+#                   1 is the kernel the fifth lease measured)
 #   conformance     the golden vectors on CUDA in f64 (`--float f64`: f32 matrix products run
 #                   in TF32 there, which the f32 tolerances do not allow; each file's checks as
 #                   it finishes)
@@ -198,8 +200,10 @@ run_stage() {
             with_env BURN_CONNECTIVITY_ROW_GROUP="$group" profile mhc
         done ;;
     profile-product)
-        echo "## weights product by matmul" >>"$OUT/profile.log"
-        with_env BURN_CONNECTIVITY_WEIGHTS_PRODUCT=matmul profile hc,mhc ;;
+        for product in ${PRODUCTS:-matmul 1}; do
+            echo "## weights product $product" >>"$OUT/profile.log"
+            with_env BURN_CONNECTIVITY_WEIGHTS_PRODUCT="$product" profile hc,mhc
+        done ;;
     conformance)
         golden 240 conformance.log --float f64
         grep -aE 'passed|FAIL' "$OUT/conformance.log" | tail -5 ;;

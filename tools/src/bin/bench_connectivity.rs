@@ -223,7 +223,9 @@ struct Rounds {
 
 /// Every work's runs, timed round-robin (run `r` of every work before run `r + 1` of any), so
 /// that drifts of the machine's speed spread over all of them rather than favouring whichever
-/// ran first; round `r` starts with work `r mod n`, so that each follows every other in turn.
+/// ran first; each round in the order [`round_order`] gives it, so that each work follows every
+/// other equally often (a rotation of one order, before, kept each work right after the same
+/// one: LAuReL always after the residual, the residual after V4).
 ///
 /// On stderr, as it goes: each work's warm-up time (where a GPU backend compiles and autotunes
 /// its kernels) and each round's times, `names` naming the works: a run stopped by a time
@@ -253,8 +255,7 @@ fn measure_interleaved<T>(
         works.len()
     ];
     for round in 0..runs {
-        for k in 0..works.len() {
-            let index = (round + k) % works.len();
+        for index in round_order(round, works.len()) {
             let (ms, cpu_ms, peak) = run_once(device, works[index]);
             let timing = &mut timings[index];
             timing.rounds_ms.push(ms);
@@ -267,6 +268,29 @@ fn measure_interleaved<T>(
         eprintln!("  round {}/{runs}, ms: {}", round + 1, times.join(", "));
     }
     timings
+}
+
+/// The order of `n` works in round `round`: row `round` of a Williams design, a Latin square
+/// whose rows start `0, 1, n−1, 2, n−2, …` shifted by the row's number, each row also reversed
+/// where `n` is odd. Over every `n` rounds (`2n` for odd `n`) each work runs first, and right
+/// after each other work, equally often, so that what a work leaves behind (caches, the
+/// allocator's free memory) weighs on every other alike.
+fn round_order(round: usize, n: usize) -> Vec<usize> {
+    if n == 0 {
+        return Vec::new();
+    }
+    let period = if n % 2 == 0 { n } else { 2 * n };
+    let row = round % period;
+    let mut order: Vec<usize> = (0..n)
+        .map(|j| {
+            let first = if j % 2 == 1 { j.div_ceil(2) } else { n - j / 2 };
+            (first + row) % n
+        })
+        .collect();
+    if row >= n {
+        order.reverse();
+    }
+    order
 }
 
 struct Report {
@@ -530,4 +554,39 @@ fn profile(device: &Device, rounds: Rounds, report: &mut Report) {
         step_ms - accounted,
         100.0 * (step_ms - accounted) / step_ms
     );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::round_order;
+
+    /// Every round is an order of all works, and over a period each work runs first, and right
+    /// after each other work, equally often.
+    #[test]
+    fn rounds_balance_first_places_and_predecessors() {
+        for n in 1..=9 {
+            let period = if n % 2 == 0 { n } else { 2 * n };
+            let mut firsts = vec![0; n];
+            let mut follows = vec![vec![0; n]; n];
+            for round in 0..period {
+                let order = round_order(round, n);
+                let mut sorted = order.clone();
+                sorted.sort_unstable();
+                assert_eq!(sorted, (0..n).collect::<Vec<_>>(), "n={n} round {round}");
+                firsts[order[0]] += 1;
+                for pair in order.windows(2) {
+                    follows[pair[0]][pair[1]] += 1;
+                }
+            }
+            assert!(firsts.iter().all(|&count| count == period / n), "n={n}: {firsts:?}");
+            let each = if n % 2 == 0 { 1 } else { 2 };
+            for (a, row) in follows.iter().enumerate() {
+                for (b, &count) in row.iter().enumerate() {
+                    let expected = if a == b { 0 } else { each };
+                    assert_eq!(count, expected, "n={n}: {b} after {a}");
+                }
+            }
+        }
+        assert!(round_order(0, 0).is_empty());
+    }
 }

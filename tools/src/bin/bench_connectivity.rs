@@ -279,7 +279,7 @@ fn round_order(round: usize, n: usize) -> Vec<usize> {
     if n == 0 {
         return Vec::new();
     }
-    let period = if n % 2 == 0 { n } else { 2 * n };
+    let period = if n.is_multiple_of(2) { n } else { 2 * n };
     let row = round % period;
     let mut order: Vec<usize> = (0..n)
         .map(|j| {
@@ -564,8 +564,8 @@ mod tests {
     /// after each other work, equally often.
     #[test]
     fn rounds_balance_first_places_and_predecessors() {
-        for n in 1..=9 {
-            let period = if n % 2 == 0 { n } else { 2 * n };
+        for n in 1..=9usize {
+            let period = if n.is_multiple_of(2) { n } else { 2 * n };
             let mut firsts = vec![0; n];
             let mut follows = vec![vec![0; n]; n];
             for round in 0..period {
@@ -578,8 +578,11 @@ mod tests {
                     follows[pair[0]][pair[1]] += 1;
                 }
             }
-            assert!(firsts.iter().all(|&count| count == period / n), "n={n}: {firsts:?}");
-            let each = if n % 2 == 0 { 1 } else { 2 };
+            assert!(
+                firsts.iter().all(|&count| count == period / n),
+                "n={n}: {firsts:?}"
+            );
+            let each = if n.is_multiple_of(2) { 1 } else { 2 };
             for (a, row) in follows.iter().enumerate() {
                 for (b, &count) in row.iter().enumerate() {
                     let expected = if a == b { 0 } else { each };

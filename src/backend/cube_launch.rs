@@ -60,8 +60,8 @@ enum ProductPath {
     Kernel { rows_per_step: usize },
 }
 
-/// Rows per step of [`weights_product`]'s loop: its loads issued together, so a unit waits on
-/// memory once per step rather than once per row.
+/// Rows per step of [`weights_product`]'s loop: their loads of `x` issued together, so a unit
+/// has a step's rows in flight rather than one row's (not yet measured on a GPU).
 const PRODUCT_ROWS_PER_STEP: usize = 8;
 
 /// [`ProductPath::Kernel`] with [`PRODUCT_ROWS_PER_STEP`], or `BURN_CONNECTIVITY_WEIGHTS_PRODUCT`
@@ -192,7 +192,7 @@ const PRODUCT_ROWS: usize = 32;
 /// `x` coalesced, each row of `s ⊙ δ` read by every unit alike), and writes its partial sums as
 /// one row of a `[chunks, w · C]` table that [`column_sums`] reduces: two kernels. A unit's loop
 /// takes [`PRODUCT_ROWS_PER_STEP`] rows per step, their loads first: one row per step left each
-/// unit waiting on one load at a time. Burn's matmul took this skinny product before (a swapped
+/// unit with one row's loads in flight at a time. Burn's matmul took this skinny product before (a swapped
 /// `[w, R]` view times `[R, C]`): on an H100 through CUDA that took 1.4 ms per block of HC's
 /// train step at `R = 32768, w = 768, C = 5` (the residual's whole block: 4.9 ms), 0.13 ms for
 /// mHC's `R = 8192, w = 3072, C = 24`, where this kernel with one row per step takes 0.25 ms on

@@ -3,7 +3,7 @@
 # NVIDIA GPU, PyTorch, no Rust toolchain and no network. Needs what tools/gpu/build.sh packs
 # into .gpu/, the Vulkan loader's Debian packages in .gl/ (for the Vulkan stages) and
 # lucidrains' hyper-connections wheels in .whl/ (BENCHMARKS.md, "On a GPU machine", says how to
-# fetch both). Carry .gpu, .gl and .whl.
+# fetch both). Carry .gpu, .gl, .whl and .gpu-cache.
 #
 #   bash tools/gpu/measure.sh SECONDS [STAGE ...]
 #
@@ -48,7 +48,8 @@
 # persistent cache (target/environment: the autotune choices, keyed by device index, not by
 # model) packed for the GPU model MODEL. Copied to .gpu-cache/ and carried, it is restored at
 # the start of a later lease on the same model: a fresh machine's first process spent 59 s
-# tuning the residual's train step in the fifth lease, later processes 2-3 s.
+# tuning the residual's train step in the fifth lease, later processes 2-3 s. The stages that
+# run elsewhere (profile, mudd-probe) name that directory in their cubecl.toml.
 set -u
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-target/gpu-out}
@@ -126,11 +127,16 @@ done
 export LD_LIBRARY_PATH
 # CubeCL's cache of an earlier lease on this GPU model, if carried (see the header).
 MODEL=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | tr -c 'A-Za-z0-9\n' '_')
+[[ $MODEL == NVIDIA* ]] || MODEL= # not an error message for a name
 CACHE=.gpu-cache/autotune-${MODEL:-unknown}.tgz
+ENVIRONMENT="$PWD/target/environment"
+# Packed to a temporary name first: a stage cut off by a signal may still be writing.
 save_cache() {
     [ -n "$MODEL" ] && [ -d target/environment ] || return 0
     if (($(ls "$OUT" | wc -l) < 8)); then
-        tar -czf "$OUT/autotune-$MODEL.tgz" -C target environment
+        tar -czf /tmp/autotune.tgz -C target environment &&
+            mv /tmp/autotune.tgz "$OUT/autotune-$MODEL.tgz" &&
+            echo "== autotune cache saved: $(du -h "$OUT/autotune-$MODEL.tgz" | cut -f1)"
     else
         echo "== autotune cache not saved: $OUT already holds 8 files"
     fi
@@ -138,7 +144,7 @@ save_cache() {
 trap save_cache EXIT
 {
     echo "commit $(cat .gpu/COMMIT 2>/dev/null)"
-    if [ -f "$CACHE" ]; then
+    if [ -f "$CACHE" ] && tar -tzf "$CACHE" >/dev/null 2>&1; then
         mkdir -p target && tar -xzf "$CACHE" -C target && echo "autotune cache: $CACHE restored"
     else
         echo "autotune cache: none for ${MODEL:-an unnamed GPU} (cold)"
@@ -201,7 +207,8 @@ golden() { # golden LIMIT LOG [FLAG ...]: the conformance runner on CUDA, append
 # sets the level and no sink).
 profile() {
     mkdir -p /tmp/profile
-    printf '[profiling.logger]\nlevel = "basic"\nstdout = true\n' >/tmp/profile/cubecl.toml
+    printf '[profiling.logger]\nlevel = "basic"\nstdout = true\n[environment]\npath = { directory = "%s" }\n' \
+        "$ENVIRONMENT" >/tmp/profile/cubecl.toml
     (cd /tmp/profile && step 120 "${RUN[@]}" "$OLDPWD/$BIN/bench_connectivity" \
         --device cuda --only model --runs 1 --warmup 2 --passes train-step \
         --variants "$1") >>"$OUT/profile.log" 2>&1
@@ -251,8 +258,8 @@ run_stage() {
         cat "$OUT/lm.log" ;;
     mudd-probe)
         mkdir -p /tmp/mudd
-        printf '[compilation.logger]\nlevel = "basic"\nstdout = true\n[autotune.logger]\nlevel = "minimal"\nstdout = true\n' \
-            >/tmp/mudd/cubecl.toml
+        printf '[compilation.logger]\nlevel = "basic"\nstdout = true\n[autotune.logger]\nlevel = "minimal"\nstdout = true\n[environment]\npath = { directory = "%s" }\n' \
+            "$ENVIRONMENT" >/tmp/mudd/cubecl.toml
         (cd /tmp/mudd && step 90 "${RUN[@]}" "$OLDPWD/$BIN/lm_wrap" --device cuda --steps 20 \
             --layers 8 --width 256 --heads 8 --context 128 --batch 32 --connectivity mudd \
             --seed 1) 2>&1 | while IFS= read -r line; do printf '%4d %s\n' "$SECONDS" "$line"; done \

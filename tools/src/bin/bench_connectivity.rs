@@ -225,7 +225,7 @@ struct Rounds {
 /// that drifts of the machine's speed spread over all of them rather than favouring whichever
 /// ran first; each round in the order [`round_order`] gives it, so that each work follows every
 /// other equally often (a rotation of one order, before, kept each work right after the same
-/// one: LAuReL always after the residual, the residual after V4).
+/// one in all rounds but one in `n`: LAuReL after the residual, the residual after V4).
 ///
 /// On stderr, as it goes: each work's warm-up time (where a GPU backend compiles and autotunes
 /// its kernels) and each round's times, `names` naming the works: a run stopped by a time
@@ -271,8 +271,8 @@ fn measure_interleaved<T>(
 }
 
 /// The order of `n` works in round `round`: row `round` of a Williams design, a Latin square
-/// whose rows start `0, 1, n−1, 2, n−2, …` shifted by the row's number, each row also reversed
-/// where `n` is odd. Over every `n` rounds (`2n` for odd `n`) each work runs first, and right
+/// whose rows are `0, 1, n−1, 2, n−2, …` shifted by the row's number, followed for odd `n` by
+/// the same `n` rows reversed. Over every `n` rounds (`2n` for odd `n`) each work runs first, and right
 /// after each other work, equally often, so that what a work leaves behind (caches, the
 /// allocator's free memory) weighs on every other alike.
 fn round_order(round: usize, n: usize) -> Vec<usize> {

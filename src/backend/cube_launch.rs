@@ -192,8 +192,8 @@ const PRODUCT_ROWS: usize = 32;
 /// `x` coalesced, each row of `s ⊙ δ` read by every unit alike), and writes its partial sums as
 /// one row of a `[chunks, w · C]` table that [`column_sums`] reduces: two kernels. A unit's loop
 /// takes [`PRODUCT_ROWS_PER_STEP`] rows per step, their loads first: one row per step left each
-/// unit with one row's loads in flight at a time. Burn's matmul took this skinny product before (a swapped
-/// `[w, R]` view times `[R, C]`): on an H100 through CUDA that took 1.4 ms per block of HC's
+/// unit with one row's loads in flight at a time. Burn's matmul took this skinny product before
+/// (a swapped `[w, R]` view times `[R, C]`): on an H100 through CUDA that took 1.4 ms per block of HC's
 /// train step at `R = 32768, w = 768, C = 5` (the residual's whole block: 4.9 ms), 0.13 ms for
 /// mHC's `R = 8192, w = 3072, C = 24`, where this kernel with one row per step takes 0.25 ms on
 /// an H200. `BURN_CONNECTIVITY_WEIGHTS_PRODUCT` picks the matmul or the rows per step, to

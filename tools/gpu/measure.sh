@@ -202,13 +202,18 @@ golden() { # golden LIMIT LOG [FLAG ...]: the conformance runner on CUDA, append
         >>"$OUT/$log" 2>&1
 }
 
+# cubecl_toml DIR SECTIONS: DIR/cubecl.toml holding SECTIONS (printf escapes) and the repo's
+# CubeCL environment, which a run outside the repo would otherwise not find (see the header).
+cubecl_toml() {
+    mkdir -p "$1"
+    printf "$2"'[environment]\npath = { directory = "%s" }\n' "$ENVIRONMENT" >"$1/cubecl.toml"
+}
+
 # profile VARIANTS: CubeCL logs each kernel's time ("| 1.2ms | name") and a summary per sync,
 # but only to a sink a cubecl.toml in the working directory names (CUBECL_DEBUG_OPTION alone
 # sets the level and no sink).
 profile() {
-    mkdir -p /tmp/profile
-    printf '[profiling.logger]\nlevel = "basic"\nstdout = true\n[environment]\npath = { directory = "%s" }\n' \
-        "$ENVIRONMENT" >/tmp/profile/cubecl.toml
+    cubecl_toml /tmp/profile '[profiling.logger]\nlevel = "basic"\nstdout = true\n'
     (cd /tmp/profile && step 120 "${RUN[@]}" "$OLDPWD/$BIN/bench_connectivity" \
         --device cuda --only model --runs 1 --warmup 2 --passes train-step \
         --variants "$1") >>"$OUT/profile.log" 2>&1
@@ -257,9 +262,7 @@ run_stage() {
         lm_runs
         cat "$OUT/lm.log" ;;
     mudd-probe)
-        mkdir -p /tmp/mudd
-        printf '[compilation.logger]\nlevel = "basic"\nstdout = true\n[autotune.logger]\nlevel = "minimal"\nstdout = true\n[environment]\npath = { directory = "%s" }\n' \
-            "$ENVIRONMENT" >/tmp/mudd/cubecl.toml
+        cubecl_toml /tmp/mudd '[compilation.logger]\nlevel = "basic"\nstdout = true\n[autotune.logger]\nlevel = "minimal"\nstdout = true\n'
         (cd /tmp/mudd && step 90 "${RUN[@]}" "$OLDPWD/$BIN/lm_wrap" --device cuda --steps 20 \
             --layers 8 --width 256 --heads 8 --context 128 --batch 32 --connectivity mudd \
             --seed 1) 2>&1 | while IFS= read -r line; do printf '%4d %s\n' "$SECONDS" "$line"; done \

@@ -272,9 +272,9 @@ fn measure_interleaved<T>(
 
 /// The order of `n` works in round `round`: row `round` of a Williams design, a Latin square
 /// whose rows are `0, 1, n−1, 2, n−2, …` shifted by the row's number, followed for odd `n` by
-/// the same `n` rows reversed. Over every `n` rounds (`2n` for odd `n`) each work runs first, and right
-/// after each other work, equally often, so that what a work leaves behind (caches, the
-/// allocator's free memory) weighs on every other alike.
+/// the same `n` rows reversed. Over every `n` rounds (`2n` for odd `n`) each work runs first,
+/// and right after each other work, equally often, so that what a work leaves behind (caches,
+/// the allocator's free memory) weighs on every other alike.
 fn round_order(round: usize, n: usize) -> Vec<usize> {
     if n == 0 {
         return Vec::new();

@@ -2,17 +2,20 @@
 //! line on stdout, then the ratios to the plain residual on stderr:
 //!
 //! ```text
-//! {"workload":"stack12.forward","variant":"hacn","ms":12.3,"rounds_ms":[12.1,12.3,12.9],"cpu_ms":23.9,"host_peak_mb":50.1,"device":"flex"}
+//! {"workload":"stack12.forward","variant":"hacn","ms":12.3,"rounds_ms":[12.1,12.3,12.9],"cpu_ms":23.9,"system_ms":0.4,"minor_faults":0,"host_peak_mb":50.1,"device":"flex"}
 //! ```
 //!
 //! `ms` is the median over `--runs` timed runs (`rounds_ms`) after `--warmup` untimed ones, the
-//! variants of a workload timed round-robin (run `r` of each before run `r + 1` of any, each
-//! round starting one variant later) so that neither the machine's drifts nor what ran just
+//! variants of a workload timed round-robin (run `r` of each before run `r + 1` of any, in the
+//! balanced order of [`round_order`]) so that neither the machine's drifts nor what ran just
 //! before (a variant that leaves the allocator with much freed memory) favour one of them;
 //! `cpu_ms` the median CPU time of the process's threads during a run (`null` off Unix): on a
 //! CPU backend, `cpu_ms / ms` is how many cores the run kept busy, so a variant whose time
 //! grows more than its CPU time spends the difference in serial work (op dispatch, autodiff's
-//! bookkeeping, small ops on one core); `host_peak_mb` the largest growth of heap memory during
+//! bookkeeping, small ops on one core); `system_ms` the median of that CPU time spent in the
+//! kernel and `minor_faults` the median number of pages the process faulted in during a run
+//! (both `null` off Unix): memory the allocator took from the kernel, each page zeroed by it
+//! (see `--heap`); `host_peak_mb` the largest growth of heap memory during
 //! a run (all tensor memory on CPU backends; host-side bookkeeping only on GPU backends). The
 //! ratios on stderr are of the medians, with the median and quartiles of the per-round ratios
 //! beside them (their spread is the noise of the comparison), and the ratio of CPU times.
@@ -20,8 +23,17 @@
 //! ms: residual 57.93, mhc 77.86, …`), so that a run cut short by a time limit keeps them.
 //!
 //! ```text
-//! cargo run --release -p burn-connectivity-tools --bin bench_connectivity -- [--device flex] [--runs 5] [--warmup 1] [--only stack|model|gconv|profile] [--model-size full|reduced]
+//! cargo run --release -p burn-connectivity-tools --bin bench_connectivity -- [--device flex] [--runs 5] [--warmup 1] [--only stack|model|gconv|profile] [--model-size full|reduced] [--depths 12,24] [--heap system|retain]
 //! ```
+//!
+//! `--heap retain` (Linux with glibc) keeps the memory a run frees for the next one. By default
+//! glibc returns freed memory at the top of its heap to the kernel once it exceeds its trim
+//! threshold, and a train step whose peak heap is larger than the previous step left mapped
+//! faults it back in, page by page: on Flex, the multi-stream variants' steps (about 50% more
+//! peak memory than the residual's at depth 12) fault in 10 to 25 thousand pages each, the
+//! residual's none. That cost is the allocator's, and a training process pays it too unless it
+//! sets `MALLOC_TRIM_THRESHOLD_` and `MALLOC_MMAP_THRESHOLD_` (or links another allocator), as
+//! `--heap retain` does for the bench.
 //!
 //! `--only model` times the stacks at model scale (12 blocks at GPT-2-small width, d = 768, on
 //! `[8, 1024]` tokens, f32; `[1, 32]` tokens with `--model-size reduced`, the default on CPU
@@ -128,6 +140,13 @@ struct Flags {
     /// pass's warm-up compiles and autotunes its own kernels: one pass costs half the time.
     #[arg(long, value_enum, value_delimiter = ',', default_values_t = [Pass::Forward, Pass::TrainStep])]
     passes: Vec<Pass>,
+    /// Depths of the stack workload (`stack{depth}`), comma separated.
+    #[arg(long, value_delimiter = ',', default_values_t = DEPTHS.map(|depth| depth as u16), value_parser = clap::value_parser!(u16).range(1..))]
+    depths: Vec<u16>,
+    /// How the C allocator treats memory a run frees: `system` leaves its defaults, `retain`
+    /// keeps it mapped for the next run (glibc only; see the module docs).
+    #[arg(long, value_enum, default_value_t = Heap::System)]
+    heap: Heap,
     /// Stack and model workloads: time each variant against a residual of its own, one pair
     /// after another with only the pair's two models alive, rather than every variant
     /// round-robin in one set (the process then holds one model besides the residual, as a
@@ -143,6 +162,83 @@ enum Pass {
     Forward,
     /// Forward and backward of the mean output under autodiff.
     TrainStep,
+}
+
+/// What the C allocator does with freed memory.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+enum Heap {
+    /// The allocator's defaults.
+    System,
+    /// glibc keeps freed memory mapped: trim threshold 2 GiB, mmap threshold 32 MiB (the
+    /// most glibc's own moving threshold reaches; larger blocks still get mappings of their
+    /// own), as `MALLOC_TRIM_THRESHOLD_=2147483647 MALLOC_MMAP_THRESHOLD_=33554432` would.
+    Retain,
+}
+
+impl Heap {
+    /// Sets the allocator up; call before the first allocation worth keeping.
+    fn apply(self) -> Result<(), String> {
+        match self {
+            Self::System => Ok(()),
+            Self::Retain => retain_freed_memory(),
+        }
+    }
+}
+
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+fn retain_freed_memory() -> Result<(), String> {
+    // Setting either threshold stops glibc from moving both as chunks are freed: the trim
+    // threshold alone would leave the mmap threshold at its 128 KiB start, every tensor of a
+    // MiB or more mapped and faulted in afresh (245 thousand pages a residual step here).
+    for (parameter, value, name) in [
+        (libc::M_TRIM_THRESHOLD, libc::c_int::MAX, "M_TRIM_THRESHOLD"),
+        (libc::M_MMAP_THRESHOLD, 32 << 20, "M_MMAP_THRESHOLD"),
+    ] {
+        // SAFETY: mallopt takes any parameter and value, returning 0 for those it refuses.
+        if unsafe { libc::mallopt(parameter, value) } == 0 {
+            return Err(format!("glibc refused mallopt({name}, {value})"));
+        }
+    }
+    Ok(())
+}
+
+#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+fn retain_freed_memory() -> Result<(), String> {
+    Err("--heap retain needs glibc (Linux); link another allocator instead".to_string())
+}
+
+/// What the kernel did for this process so far (`None` where the platform does not say).
+#[derive(Clone, Copy, Debug)]
+struct KernelUsage {
+    /// Pages faulted in without I/O, each taken from the kernel and zeroed by it.
+    minor_faults: u64,
+    /// CPU milliseconds of every thread in the kernel (page faults, mostly, on a CPU backend).
+    system_ms: f64,
+}
+
+impl KernelUsage {
+    fn now() -> Option<Self> {
+        #[cfg(unix)]
+        {
+            // SAFETY: an all-zero rusage is a valid value of the plain C struct, and getrusage
+            // writes only into it.
+            let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+            let status = unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut usage) };
+            (status == 0).then(|| Self {
+                minor_faults: usage.ru_minflt as u64,
+                system_ms: usage.ru_stime.tv_sec as f64 * 1e3 + usage.ru_stime.tv_usec as f64 / 1e3,
+            })
+        }
+        #[cfg(not(unix))]
+        None
+    }
+
+    fn since(self, start: Self) -> Self {
+        Self {
+            minor_faults: self.minor_faults.saturating_sub(start.minor_faults),
+            system_ms: self.system_ms - start.system_ms,
+        }
+    }
 }
 
 /// The sizes of the model workload.
@@ -169,11 +265,22 @@ fn process_cpu_ms() -> Option<f64> {
     None
 }
 
-/// One timed run of `work` (followed by a device sync): wall milliseconds, CPU milliseconds
-/// of the whole process (every thread; `NaN` where unknown) and peak heap growth.
-fn run_once<T>(device: &Device, work: &dyn Fn() -> T) -> (f64, f64, usize) {
+/// One timed run of `work` (followed by a device sync).
+struct Run {
+    /// Wall milliseconds.
+    ms: f64,
+    /// CPU milliseconds of the whole process (every thread; `NaN` where unknown).
+    cpu_ms: f64,
+    /// What the kernel did for it (`None` where unknown).
+    kernel: Option<KernelUsage>,
+    /// Peak heap growth in bytes.
+    peak: usize,
+}
+
+fn run_once<T>(device: &Device, work: &dyn Fn() -> T) -> Run {
     let baseline = LIVE.load(Ordering::Relaxed);
     PEAK.store(baseline, Ordering::Relaxed);
+    let kernel_start = KernelUsage::now();
     let cpu_start = process_cpu_ms();
     let start = Instant::now();
     let output = work();
@@ -183,9 +290,18 @@ fn run_once<T>(device: &Device, work: &dyn Fn() -> T) -> (f64, f64, usize) {
         (Some(start), Some(end)) => end - start,
         _ => f64::NAN,
     };
+    let kernel = match (kernel_start, KernelUsage::now()) {
+        (Some(start), Some(end)) => Some(end.since(start)),
+        _ => None,
+    };
     let peak = PEAK.load(Ordering::Relaxed).saturating_sub(baseline);
     drop(output);
-    (ms, cpu_ms, peak)
+    Run {
+        ms,
+        cpu_ms,
+        kernel,
+        peak,
+    }
 }
 
 /// The runs of one work.
@@ -195,6 +311,8 @@ struct Timing {
     rounds_ms: Vec<f64>,
     /// CPU milliseconds of the process (all threads) during each timed run.
     rounds_cpu_ms: Vec<f64>,
+    /// What the kernel did during each timed run (empty where unknown).
+    rounds_kernel: Vec<KernelUsage>,
     /// The largest peak heap growth of a run.
     peak: usize,
 }
@@ -206,6 +324,19 @@ impl Timing {
 
     fn median_cpu_ms(&self) -> f64 {
         median(self.rounds_cpu_ms.clone())
+    }
+
+    /// The medians of the runs' page faults and kernel milliseconds.
+    fn median_kernel(&self) -> Option<KernelUsage> {
+        if self.rounds_kernel.is_empty() {
+            return None;
+        }
+        let mut faults: Vec<u64> = self.rounds_kernel.iter().map(|k| k.minor_faults).collect();
+        faults.sort_unstable();
+        Some(KernelUsage {
+            minor_faults: faults[faults.len() / 2],
+            system_ms: median(self.rounds_kernel.iter().map(|k| k.system_ms).collect()),
+        })
     }
 }
 
@@ -250,17 +381,19 @@ fn measure_interleaved<T>(
         Timing {
             rounds_ms: Vec::with_capacity(runs),
             rounds_cpu_ms: Vec::with_capacity(runs),
+            rounds_kernel: Vec::with_capacity(runs),
             peak: 0,
         };
         works.len()
     ];
     for round in 0..runs {
         for index in round_order(round, works.len()) {
-            let (ms, cpu_ms, peak) = run_once(device, works[index]);
+            let run = run_once(device, works[index]);
             let timing = &mut timings[index];
-            timing.rounds_ms.push(ms);
-            timing.rounds_cpu_ms.push(cpu_ms);
-            timing.peak = timing.peak.max(peak);
+            timing.rounds_ms.push(run.ms);
+            timing.rounds_cpu_ms.push(run.cpu_ms);
+            timing.rounds_kernel.extend(run.kernel);
+            timing.peak = timing.peak.max(run.peak);
         }
         let times: Vec<String> = (names.iter().zip(&timings))
             .map(|(name, timing)| format!("{name} {:.2}", timing.rounds_ms[round]))
@@ -306,8 +439,17 @@ impl Report {
         } else {
             "null".to_string()
         };
+        let (minor_faults, system_ms) =
+            timing
+                .median_kernel()
+                .map_or(("null".to_string(), "null".to_string()), |kernel| {
+                    (
+                        kernel.minor_faults.to_string(),
+                        format!("{:.3}", kernel.system_ms),
+                    )
+                });
         println!(
-            "{{\"workload\":\"{workload}\",\"variant\":\"{variant}\",\"ms\":{:.3},\"rounds_ms\":{:?},\"cpu_ms\":{cpu_ms},\"host_peak_mb\":{:.1},\"device\":\"{}\"}}",
+            "{{\"workload\":\"{workload}\",\"variant\":\"{variant}\",\"ms\":{:.3},\"rounds_ms\":{:?},\"cpu_ms\":{cpu_ms},\"system_ms\":{system_ms},\"minor_faults\":{minor_faults},\"host_peak_mb\":{:.1},\"device\":\"{}\"}}",
             timing.median_ms(),
             timing
                 .rounds_ms
@@ -340,13 +482,23 @@ impl Report {
                 // q = 2 is the median (index len / 2, as `median`).
                 let quartile = |q: usize| paired[(q * (paired.len() - 1)).div_ceil(4)];
                 eprintln!(
-                    "{workload:>18} {variant:>9}: time {:.3}x {baseline} (per round: median {:.3}, quartiles {:.3}-{:.3}), CPU time {:.3}x, host peak {:.3}x",
+                    "{workload:>18} {variant:>9}: time {:.3}x {baseline} (per round: median {:.3}, quartiles {:.3}-{:.3}), CPU time {:.3}x, host peak {:.3}x{}",
                     timing.median_ms() / base.median_ms(),
                     quartile(2),
                     quartile(1),
                     quartile(3),
                     timing.median_cpu_ms() / base.median_cpu_ms(),
-                    timing.peak as f64 / base.peak.max(1) as f64
+                    timing.peak as f64 / base.peak.max(1) as f64,
+                    match (timing.median_kernel(), base.median_kernel()) {
+                        (Some(kernel), Some(base)) => format!(
+                            ", in the kernel {:.1} ms ({:.1}), pages faulted in {} ({})",
+                            kernel.system_ms,
+                            base.system_ms,
+                            kernel.minor_faults,
+                            base.minor_faults
+                        ),
+                        _ => String::new(),
+                    }
                 );
             }
         }
@@ -358,6 +510,7 @@ pub fn main() -> ExitCode {
 }
 
 fn run(flags: Flags) -> Result<(), String> {
+    flags.heap.apply()?;
     let device = flags.device.device()?;
     let rounds = Rounds {
         runs: flags.runs as usize,
@@ -371,8 +524,8 @@ fn run(flags: Flags) -> Result<(), String> {
     };
 
     if matches!(only, None | Some(Workload::Stack)) {
-        for depth in DEPTHS {
-            let shape = StackShape::stack(depth);
+        for &depth in &flags.depths {
+            let shape = StackShape::stack(depth.into());
             time_stacks(
                 &device,
                 shape,
@@ -558,7 +711,51 @@ fn profile(device: &Device, rounds: Rounds, report: &mut Report) {
 
 #[cfg(test)]
 mod tests {
-    use super::round_order;
+    use super::{Heap, KernelUsage, round_order};
+
+    /// glibc takes both settings.
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    #[test]
+    fn glibc_takes_the_retaining_thresholds() {
+        assert_eq!(Heap::Retain.apply(), Ok(()));
+    }
+
+    /// Writing one byte to each page of a fresh anonymous mapping (without huge pages) faults
+    /// every page in once.
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn minor_faults_count_the_pages_a_fresh_mapping_touches() {
+        const PAGES: usize = 4096;
+        let page_size = usize::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).unwrap();
+        let length = PAGES * page_size;
+        // SAFETY: a private anonymous mapping of `length` bytes, written only inside it and
+        // unmapped once; madvise and munmap take exactly that range.
+        let faults = unsafe {
+            let mapping = libc::mmap(
+                std::ptr::null_mut(),
+                length,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            );
+            assert_ne!(mapping, libc::MAP_FAILED);
+            libc::madvise(mapping, length, libc::MADV_NOHUGEPAGE);
+            let before = KernelUsage::now().expect("Linux counts faults");
+            for page in 0..PAGES {
+                std::ptr::write_volatile(mapping.cast::<u8>().add(page * page_size), 1);
+            }
+            let faults = KernelUsage::now()
+                .expect("Linux counts faults")
+                .since(before);
+            libc::munmap(mapping, length);
+            faults.minor_faults as usize
+        };
+        assert!(
+            (PAGES..PAGES + 256).contains(&faults),
+            "{faults} faults for {PAGES} pages"
+        );
+    }
 
     /// Every round is an order of all works, and over a period each work runs first, and right
     /// after each other work, equally often.

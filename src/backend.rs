@@ -43,6 +43,10 @@ mod gradient_slots;
 mod history_mix;
 #[cfg(any(feature = "flex", feature = "tch", feature = "cube-kernels"))]
 mod layer_norm;
+#[cfg(feature = "flex")]
+mod low_rank;
+#[cfg(feature = "flex")]
+pub(crate) use low_rank::LowRankResidual;
 mod masked_softmax;
 #[cfg(any(feature = "flex", feature = "cube-kernels"))]
 pub(crate) use history_mix::History;
@@ -138,6 +142,28 @@ pub(crate) fn has_fused_flex_ops<const D: usize>(tensor: &Tensor<D>) -> bool {
             tensor.dtype(),
             burn::tensor::DType::F32 | burn::tensor::DType::F64
         )
+}
+
+/// Without Flex there is no fused low-rank residual: no value of this type exists.
+#[cfg(not(feature = "flex"))]
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum LowRankResidual {}
+
+#[cfg(not(feature = "flex"))]
+impl LowRankResidual {
+    pub(crate) fn for_tensor<const D: usize>(_stream: &Tensor<D>) -> Option<Self> {
+        None
+    }
+
+    pub(crate) fn apply<const D: usize>(
+        self,
+        _stream: Tensor<D>,
+        _branch: Tensor<D>,
+        _down: Tensor<2>,
+        _up: Tensor<2>,
+    ) -> Tensor<D> {
+        match self {}
+    }
 }
 
 /// Without Flex or CubeCL there is no fused history mix: no value of this type exists.

@@ -34,6 +34,10 @@
 //! [`Block`](crate::Block) keeps inside) and `transformers`' init (`A, B ~ N(0, init_std)`, norm
 //! weights 1); its `/√2` and `rms` keep it from ever being the residual.
 //!
+//! **Backends.** On Flex (f32, f64) LAuReL-LR's update, `s_i + h_i + s_i A B` (one low-rank
+//! term, no RW or PA), is one fused op forward and one backward that keep `s_i A` for the
+//! backward, not `h_i`; the other forms, and other backends, run Burn's tensor ops.
+//!
 //! **The matrix `C`** holds the scalar part of the recursion: `α_i`, `β_i` (or `1/√2`); the
 //! low-rank terms (zero at the paper's init) and Gemma's normed input are matrices per token,
 //! not scalars, and are left out.
@@ -62,6 +66,7 @@ use burn::tensor::Distribution;
 use burn::tensor::activation::sigmoid;
 
 use crate::activation::rms_normalised;
+use crate::backend::LowRankResidual;
 use crate::connectivity::{Connectivity, ConnectivityConfig, StreamConnectivity};
 use crate::error::{Error, Result, check_depth, check_non_negative, check_positive, check_size};
 use crate::matrix::ConnectivityMatrix;
@@ -307,6 +312,8 @@ pub struct Laurel {
 #[derive(Debug, Clone)]
 pub struct LaurelState<const D: usize> {
     recent: Vec<Tensor<D>>,
+    /// The fused LR update, where this pass's tensors take it (chosen once, at the start).
+    fused: Option<LowRankResidual>,
 }
 
 impl Laurel {
@@ -341,13 +348,19 @@ impl Laurel {
         self.layers.iter().any(|layer| !layer.down.is_empty())
     }
 
-    /// The paper's update of block `layer` from the recent states and the branch.
+    /// The paper's update of block `layer` from the recent states and the branch; LR's
+    /// through `fused` where given.
     fn paper_update<const D: usize>(
         &self,
         layer: &LaurelLayer,
         recent: &[Tensor<D>],
         branch: Tensor<D>,
+        fused: Option<LowRankResidual>,
     ) -> Tensor<D> {
+        let plain = layer.gamma.is_none() && (layer.alpha.is_none() || layer.beta.is_none());
+        if let (Some(fused), [down], [up], true) = (fused, &layer.down[..], &layer.up[..], plain) {
+            return fused.apply(recent[0].clone(), branch, down.val(), up.val());
+        }
         let gamma = layer.gamma.as_ref().map(|gamma| gamma.val());
         let augmented = layer
             .down
@@ -430,8 +443,13 @@ impl<const D: usize> StreamConnectivity<D> for Laurel {
     type State = LaurelState<D>;
 
     fn start(&self, input: Tensor<D>) -> LaurelState<D> {
+        let fused = match self.form {
+            LaurelForm::Paper => LowRankResidual::for_tensor(&input),
+            LaurelForm::Gemma3n => None,
+        };
         LaurelState {
             recent: vec![input],
+            fused,
         }
     }
 
@@ -447,14 +465,14 @@ impl<const D: usize> StreamConnectivity<D> for Laurel {
         tail: impl FnOnce(Tensor<D>) -> Tensor<D>,
     ) -> LaurelState<D> {
         let layer = &self.layers[block];
-        let LaurelState { mut recent } = state;
+        let LaurelState { mut recent, fused } = state;
         let combined = match self.form {
-            LaurelForm::Paper => self.paper_update(layer, &recent, branch),
+            LaurelForm::Paper => self.paper_update(layer, &recent, branch, fused),
             LaurelForm::Gemma3n => self.gemma_update(layer, recent[0].clone(), branch),
         };
         recent.insert(0, tail(combined));
         recent.truncate(self.previous());
-        LaurelState { recent }
+        LaurelState { recent, fused }
     }
 
     fn output(&self, state: &LaurelState<D>) -> Tensor<D> {

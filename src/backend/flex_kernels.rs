@@ -138,6 +138,99 @@ pub(crate) fn from_f64<E: Scalar>(value: f64) -> E {
     E::from(value).expect("f32 or f64")
 }
 
+/// A matrix in a slice: the element `(i, j)` at `i · row_stride + j · column_stride`.
+#[derive(Clone, Copy)]
+pub(crate) struct Strided<'a, E> {
+    pub(crate) values: &'a [E],
+    pub(crate) row_stride: usize,
+    pub(crate) column_stride: usize,
+}
+
+impl<'a, E> Strided<'a, E> {
+    /// Row-major with rows of `len`.
+    pub(crate) fn row_major(values: &'a [E], len: usize) -> Self {
+        Self {
+            values,
+            row_stride: len,
+            column_stride: 1,
+        }
+    }
+
+    /// The transpose of the row-major matrix with rows of `len`.
+    pub(crate) fn transposed(values: &'a [E], len: usize) -> Self {
+        Self {
+            values,
+            row_stride: 1,
+            column_stride: len,
+        }
+    }
+
+    /// Whether every element of an `m × n` matrix lies in the slice.
+    fn covers(&self, m: usize, n: usize) -> bool {
+        m == 0
+            || n == 0
+            || (m - 1) * self.row_stride + (n - 1) * self.column_stride < self.values.len()
+    }
+}
+
+/// `out = a b` (or `out += a b` with `accumulate`) for `a` `[m, k]` and `b` `[k, n]` into the
+/// row-major `out` `[m, n]`, through `gemm`, which Flex's own matrix products call: its
+/// packed, register-blocked kernels read each operand once per panel, where a loop over the
+/// rows would read the small one once per row.
+pub(crate) fn product<E: Scalar>(
+    out: &mut [E],
+    accumulate: bool,
+    (m, n, k): (usize, usize, usize),
+    a: Strided<'_, E>,
+    b: Strided<'_, E>,
+) {
+    assert!(
+        out.len() == m * n && a.covers(m, k) && b.covers(k, n),
+        "a product's operands do not cover [{m}, {k}] × [{k}, {n}]"
+    );
+    if m * n == 0 {
+        return;
+    }
+    if k == 0 {
+        if !accumulate {
+            out.fill(E::zero());
+        }
+        return;
+    }
+    // Flex's threshold for a parallel product.
+    let parallelism = if m * n * k >= 192 * 192 * 192 {
+        gemm::Parallelism::Rayon(0)
+    } else {
+        gemm::Parallelism::None
+    };
+    let stride = |s: usize| s as isize;
+    // SAFETY: `out` holds `[m, n]` row-major and `a`, `b` cover `[m, k]`, `[k, n]` with their
+    // strides (asserted above); gemm takes f32 and f64 (the only `Scalar`s).
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            out.as_mut_ptr(),
+            1,
+            stride(n),
+            accumulate,
+            a.values.as_ptr(),
+            stride(a.column_stride),
+            stride(a.row_stride),
+            b.values.as_ptr(),
+            stride(b.column_stride),
+            stride(b.row_stride),
+            E::one(),
+            E::one(),
+            false,
+            false,
+            false,
+            parallelism,
+        );
+    }
+}
+
 /// The shape of a Flex tensor of rank `D`.
 pub(crate) fn dims<const D: usize>(tensor: &FlexTensor) -> [usize; D] {
     tensor.layout().shape().dims::<D>()

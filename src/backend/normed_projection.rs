@@ -37,7 +37,8 @@ use rayon::prelude::*;
 use super::RowScale;
 use super::autodiff::{constant, tracked_op};
 use super::flex_kernels::{
-    Scalar, axpy, dims, dot, from_f64, tensor, to_f64, unwritten, values, written, zeroed,
+    Scalar, Strided, axpy, dims, dot, from_f64, product, tensor, to_f64, unwritten, values,
+    written, zeroed,
 };
 use super::stream_mix::{DeferredTerms, UnitsGradient};
 
@@ -123,99 +124,6 @@ fn row_scales<E: Scalar>(x: &[E], width: usize, scale: RowScale) -> Vec<(E, E)> 
             });
     }
     scales
-}
-
-/// A matrix in a slice: the element `(i, j)` at `i · row_stride + j · column_stride`.
-#[derive(Clone, Copy)]
-struct Strided<'a, E> {
-    values: &'a [E],
-    row_stride: usize,
-    column_stride: usize,
-}
-
-impl<'a, E> Strided<'a, E> {
-    /// Row-major with rows of `len`.
-    fn row_major(values: &'a [E], len: usize) -> Self {
-        Self {
-            values,
-            row_stride: len,
-            column_stride: 1,
-        }
-    }
-
-    /// The transpose of the row-major matrix with rows of `len`.
-    fn transposed(values: &'a [E], len: usize) -> Self {
-        Self {
-            values,
-            row_stride: 1,
-            column_stride: len,
-        }
-    }
-
-    /// Whether every element of an `m × n` matrix lies in the slice.
-    fn covers(&self, m: usize, n: usize) -> bool {
-        m == 0
-            || n == 0
-            || (m - 1) * self.row_stride + (n - 1) * self.column_stride < self.values.len()
-    }
-}
-
-/// `out = a b` (or `out += a b` with `accumulate`) for `a` `[m, k]` and `b` `[k, n]` into the
-/// row-major `out` `[m, n]`, through `gemm`, the crate Flex's own matrix products call: its
-/// packed, register-blocked kernels read `W` and `x` once per panel, where a loop over the rows
-/// reads `W` once per row.
-fn product<E: Scalar>(
-    out: &mut [E],
-    accumulate: bool,
-    (m, n, k): (usize, usize, usize),
-    a: Strided<'_, E>,
-    b: Strided<'_, E>,
-) {
-    assert!(
-        out.len() == m * n && a.covers(m, k) && b.covers(k, n),
-        "normed projection: a product's operands do not cover [{m}, {k}] × [{k}, {n}]"
-    );
-    if m * n == 0 {
-        return;
-    }
-    if k == 0 {
-        if !accumulate {
-            out.fill(E::zero());
-        }
-        return;
-    }
-    // Flex's threshold for a parallel product.
-    let parallelism = if m * n * k >= 192 * 192 * 192 {
-        gemm::Parallelism::Rayon(0)
-    } else {
-        gemm::Parallelism::None
-    };
-    let stride = |s: usize| s as isize;
-    // SAFETY: `out` holds `[m, n]` row-major and `a`, `b` cover `[m, k]`, `[k, n]` with their
-    // strides (asserted above); gemm takes f32 and f64 (the only `Scalar`s).
-    unsafe {
-        gemm::gemm(
-            m,
-            n,
-            k,
-            out.as_mut_ptr(),
-            1,
-            stride(n),
-            accumulate,
-            a.values.as_ptr(),
-            stride(a.column_stride),
-            stride(a.row_stride),
-            b.values.as_ptr(),
-            stride(b.column_stride),
-            stride(b.row_stride),
-            E::one(),
-            E::one(),
-            false,
-            false,
-            false,
-            parallelism,
-        );
-    }
 }
 
 fn forward<E: Scalar>(rows: &FlexTensor, weights: &FlexTensor, scale: RowScale) -> FlexTensor {

@@ -1,0 +1,392 @@
+//! A residual update with a low-rank term, `y = s + h + (s A) B`, as one fused CPU op on Flex
+//! with its own backward.
+//!
+//! For rows `s`, `h` (`[R, d]`), `A` (`[d, r]`) and `B` (`[r, d]`), with `t = s A` (`[R, r]`)
+//! and the output's gradient `g`:
+//!
+//! ```text
+//! y  = s + h + t B
+//! ∂s = g + (g Bᵀ) Aᵀ      ∂h = g      ∂A = sᵀ (g Bᵀ)      ∂B = tᵀ g
+//! ```
+//!
+//! Composed from tensor ops the forward writes `t B` and two sums, and the backward writes
+//! `(g Bᵀ) Aᵀ` and adds it to `g`, under autodiff nodes of their own. Here the forward is a
+//! product into `t`, one pass for `s + h` and an accumulating product into it; the backward is
+//! a copy of `g` with an accumulating product, and three small products. `t` (`r` values per
+//! row) is kept for the backward; `h` is not. Flex only (f32 and f64, every operand alike).
+
+use burn::backend::autodiff::checkpoint::base::Checkpointer;
+use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
+use burn::backend::autodiff::grads::Gradients;
+use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
+use burn::backend::autodiff::{Autodiff, NodeId};
+use burn::backend::tensor::FloatTensor;
+use burn::backend::{Backend, Dispatch, backend_extension};
+use burn::tensor::{DType, Tensor};
+use burn_flex::{Flex, FlexTensor};
+use rayon::prelude::*;
+
+use super::autodiff::constant;
+use super::flex_kernels::{Scalar, Strided, dims, product, tensor, values};
+
+/// Elements per parallel task of the sum.
+const ELEMENTS_PER_TASK: usize = 16 * 1024;
+
+/// The fused update (see the [module docs](self)).
+#[backend_extension(Flex: cfg(feature = "flex"), Autodiff)]
+pub(crate) trait LowRankBackend: Backend {
+    /// `(s + h + (s A) B, s A)` for `s`, `h` `[R, d]`, `A` `[d, r]`, `B` `[r, d]`.
+    fn low_rank_residual(
+        stream: FloatTensor<Self>,
+        branch: FloatTensor<Self>,
+        down: FloatTensor<Self>,
+        up: FloatTensor<Self>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>);
+
+    /// `(∂s, ∂A, ∂B)` (`∂h` is `g` itself) from `s`, `A`, `B`, `t = s A` and `g`.
+    fn low_rank_residual_backward(
+        stream: FloatTensor<Self>,
+        down: FloatTensor<Self>,
+        up: FloatTensor<Self>,
+        projected: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>);
+}
+
+/// The fused op, for the tensors of one forward pass: made where they can take it, so that the
+/// choice is made once per pass rather than at every block.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct LowRankResidual(());
+
+impl LowRankResidual {
+    /// The fused op for tensors like `stream`: Flex, f32 or f64.
+    pub(crate) fn for_tensor<const D: usize>(stream: &Tensor<D>) -> Option<Self> {
+        super::has_fused_flex_ops(stream).then_some(Self(()))
+    }
+
+    /// `stream + branch + (stream down) up` over the last axis (`down` `[d, r]`, `up` `[r, d]`);
+    /// Burn's tensor ops where the operands' dtypes differ.
+    pub(crate) fn apply<const D: usize>(
+        self,
+        stream: Tensor<D>,
+        branch: Tensor<D>,
+        down: Tensor<2>,
+        up: Tensor<2>,
+    ) -> Tensor<D> {
+        let dims = stream.dims();
+        let width = dims[D - 1];
+        let rows = stream.shape().num_elements() / width.max(1);
+        let flat = |tensor: Tensor<D>| tensor.reshape([rows, width]);
+        let (stream, branch) = (flat(stream), flat(branch));
+        let dtype = stream.dtype();
+        if [branch.dtype(), down.dtype(), up.dtype()] != [dtype; 3] {
+            return (stream.clone() + branch + stream.matmul(down).matmul(up)).reshape(dims);
+        }
+        let (output, _projected) = <Dispatch as LowRankBackend>::low_rank_residual(
+            stream.into_dispatch(),
+            branch.into_dispatch(),
+            down.into_dispatch(),
+            up.into_dispatch(),
+        );
+        Tensor::<2>::from_dispatch(output).reshape(dims)
+    }
+}
+
+fn forward<E: Scalar>(
+    stream: &FlexTensor,
+    branch: &FlexTensor,
+    down: &FlexTensor,
+    up: &FlexTensor,
+) -> (FlexTensor, FlexTensor) {
+    let [rows, width] = dims::<2>(stream);
+    let [down_rows, rank] = dims::<2>(down);
+    assert!(
+        dims::<2>(branch) == [rows, width] && down_rows == width && dims::<2>(up) == [rank, width],
+        "low-rank residual: shapes disagree"
+    );
+    let (s, h) = (values::<E>(stream), values::<E>(branch));
+    let (a, b) = (values::<E>(down), values::<E>(up));
+    let mut projected = vec![E::zero(); rows * rank];
+    product(
+        &mut projected,
+        false,
+        (rows, rank, width),
+        Strided::row_major(&s, width),
+        Strided::row_major(&a, rank),
+    );
+    let mut output = vec![E::zero(); rows * width];
+    output
+        .par_chunks_mut(ELEMENTS_PER_TASK)
+        .zip(s.par_chunks(ELEMENTS_PER_TASK))
+        .zip(h.par_chunks(ELEMENTS_PER_TASK))
+        .for_each(|((out, s), h)| {
+            for ((out, &s), &h) in out.iter_mut().zip(s).zip(h) {
+                *out = s + h;
+            }
+        });
+    product(
+        &mut output,
+        true,
+        (rows, width, rank),
+        Strided::row_major(&projected, rank),
+        Strided::row_major(&b, width),
+    );
+    (
+        tensor(output, [rows, width]),
+        tensor(projected, [rows, rank]),
+    )
+}
+
+fn backward<E: Scalar>(
+    stream: &FlexTensor,
+    down: &FlexTensor,
+    up: &FlexTensor,
+    projected: &FlexTensor,
+    grad: &FlexTensor,
+) -> (FlexTensor, FlexTensor, FlexTensor) {
+    let [rows, width] = dims::<2>(stream);
+    let [_, rank] = dims::<2>(down);
+    let (s, a, b) = (values::<E>(stream), values::<E>(down), values::<E>(up));
+    let (t, g) = (values::<E>(projected), values::<E>(grad));
+    // u = g Bᵀ, the gradient of t.
+    let mut u = vec![E::zero(); rows * rank];
+    product(
+        &mut u,
+        false,
+        (rows, rank, width),
+        Strided::row_major(&g, width),
+        Strided::transposed(&b, width),
+    );
+    let mut grad_stream = g.to_vec();
+    product(
+        &mut grad_stream,
+        true,
+        (rows, width, rank),
+        Strided::row_major(&u, rank),
+        Strided::transposed(&a, rank),
+    );
+    let mut grad_down = vec![E::zero(); width * rank];
+    product(
+        &mut grad_down,
+        false,
+        (width, rank, rows),
+        Strided::transposed(&s, width),
+        Strided::row_major(&u, rank),
+    );
+    let mut grad_up = vec![E::zero(); rank * width];
+    product(
+        &mut grad_up,
+        false,
+        (rank, width, rows),
+        Strided::transposed(&t, rank),
+        Strided::row_major(&g, width),
+    );
+    (
+        tensor(grad_stream, [rows, width]),
+        tensor(grad_down, [width, rank]),
+        tensor(grad_up, [rank, width]),
+    )
+}
+
+impl LowRankBackend for Flex {
+    fn low_rank_residual(
+        stream: FlexTensor,
+        branch: FlexTensor,
+        down: FlexTensor,
+        up: FlexTensor,
+    ) -> (FlexTensor, FlexTensor) {
+        match stream.dtype() {
+            DType::F32 => forward::<f32>(&stream, &branch, &down, &up),
+            DType::F64 => forward::<f64>(&stream, &branch, &down, &up),
+            other => panic!("low-rank residual: unsupported dtype {other:?}"),
+        }
+    }
+
+    fn low_rank_residual_backward(
+        stream: FlexTensor,
+        down: FlexTensor,
+        up: FlexTensor,
+        projected: FlexTensor,
+        grad: FlexTensor,
+    ) -> (FlexTensor, FlexTensor, FlexTensor) {
+        match stream.dtype() {
+            DType::F32 => backward::<f32>(&stream, &down, &up, &projected, &grad),
+            DType::F64 => backward::<f64>(&stream, &down, &up, &projected, &grad),
+            other => panic!("low-rank residual: unsupported dtype {other:?}"),
+        }
+    }
+}
+
+/// `s + h + (s A) B`: parents `[s, h, A, B]`; the state keeps `s`, `A`, `B` (checkpointed)
+/// and `t = s A`, not `h`.
+#[derive(Debug)]
+struct FusedLowRankResidual;
+
+impl<B: LowRankBackend> Backward<B, 4> for FusedLowRankResidual {
+    type State = ([NodeId; 3], FloatTensor<B>);
+
+    fn backward(
+        self,
+        ops: Ops<Self::State, 4>,
+        grads: &mut Gradients,
+        checkpointer: &mut Checkpointer,
+    ) {
+        let grad = grads.consume::<B>(&ops.node);
+        let (nodes, projected) = ops.state;
+        let [stream, down, up] = nodes.map(|id| checkpointer.retrieve_node_output(id));
+        let [stream_parent, branch_parent, down_parent, up_parent] = ops.parents;
+        if let Some(parent) = branch_parent {
+            grads.register::<B>(parent.id, grad.clone());
+        }
+        if stream_parent.is_none() && down_parent.is_none() && up_parent.is_none() {
+            return;
+        }
+        let (grad_stream, grad_down, grad_up) =
+            B::low_rank_residual_backward(stream, down, up, projected, grad);
+        register_tracked!(
+            grads,
+            [stream_parent, down_parent, up_parent],
+            [grad_stream, grad_down, grad_up]
+        );
+    }
+}
+
+impl<B: LowRankBackend, C: CheckpointStrategy> LowRankBackend for Autodiff<B, C> {
+    fn low_rank_residual(
+        stream: FloatTensor<Self>,
+        branch: FloatTensor<Self>,
+        down: FloatTensor<Self>,
+        up: FloatTensor<Self>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let nodes = [&stream, &branch, &down, &up].map(|parent| parent.node());
+        let (output, projected) = match FusedLowRankResidual
+            .prepare::<C>(nodes)
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(mut prep) => {
+                // `h` is not checkpointed: the backward does not read it.
+                let kept = [&stream, &down, &up].map(|parent| prep.checkpoint(parent));
+                let (output, projected) = B::low_rank_residual(
+                    stream.into_primitive(),
+                    branch.into_primitive(),
+                    down.into_primitive(),
+                    up.into_primitive(),
+                );
+                (prep.finish((kept, projected.clone()), output), projected)
+            }
+            OpsKind::UnTracked(prep) => {
+                let (output, projected) = B::low_rank_residual(
+                    stream.into_primitive(),
+                    branch.into_primitive(),
+                    down.into_primitive(),
+                    up.into_primitive(),
+                );
+                (prep.finish(output), projected)
+            }
+        };
+        (output, constant::<B, C>(projected))
+    }
+
+    fn low_rank_residual_backward(
+        stream: FloatTensor<Self>,
+        down: FloatTensor<Self>,
+        up: FloatTensor<Self>,
+        projected: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        // First-order only: the gradients are constants to the graph.
+        let (grad_stream, grad_down, grad_up) = B::low_rank_residual_backward(
+            stream.into_primitive(),
+            down.into_primitive(),
+            up.into_primitive(),
+            projected.into_primitive(),
+            grad.into_primitive(),
+        );
+        (
+            constant::<B, C>(grad_stream),
+            constant::<B, C>(grad_down),
+            constant::<B, C>(grad_up),
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use burn::prelude::*;
+    use burn::tensor::{Distribution, FloatDType, Tolerance};
+
+    use super::LowRankResidual;
+
+    /// The fused op against the composed tensor ops on Flex, the output and every operand's
+    /// gradient, in f32 and f64: ranks 1 and 16, a row count that fills no parallel task
+    /// evenly, a stream handed over transposed (not contiguous), and the update read through a
+    /// random probe so that every output element's gradient differs.
+    #[test]
+    fn fused_op_matches_the_composed_operations() {
+        let device = Device::flex().autodiff();
+        for (dtype, tolerance) in [
+            (
+                FloatDType::F32,
+                Tolerance::absolute(1e-4).set_relative(1e-4),
+            ),
+            (
+                FloatDType::F64,
+                Tolerance::absolute(1e-10).set_relative(1e-10),
+            ),
+        ] {
+            for (rows, width, rank) in [(37, 24, 1), (300, 70, 16)] {
+                let random = |shape: [usize; 2], std: f64| {
+                    Tensor::<2>::random(shape, Distribution::Normal(0.0, std), &device).cast(dtype)
+                };
+                let stream = random([width, rows], 1.0);
+                let branch = random([rows, width], 1.0);
+                let down = random([width, rank], 0.3);
+                let up = random([rank, width], 0.3);
+                let probe = random([rows, width], 1.0);
+                let run = |fused: bool| {
+                    let leaves = [&stream, &branch, &down, &up].map(|t| t.clone().require_grad());
+                    let [s, h, a, b] = leaves.clone();
+                    let s = s.transpose();
+                    let output = if fused {
+                        let op = LowRankResidual::for_tensor(&s).expect("Flex takes it");
+                        op.apply(s, h, a, b)
+                    } else {
+                        s.clone() + h + s.matmul(a).matmul(b)
+                    };
+                    let grads = (output.clone() * probe.clone()).sum().backward();
+                    let gradients = leaves.map(|leaf| leaf.grad(&grads).unwrap().into_data());
+                    (output.into_data(), gradients)
+                };
+                let ((fused, fused_grads), (composed, composed_grads)) = (run(true), run(false));
+                fused.assert_approx_eq::<f64>(&composed, tolerance);
+                for (fused, composed) in fused_grads.iter().zip(&composed_grads) {
+                    fused.assert_approx_eq::<f64>(composed, tolerance);
+                }
+            }
+        }
+    }
+
+    /// Without autodiff the op is the same update, on a rank-3 stream.
+    #[test]
+    fn untracked_op_is_the_update() {
+        let device = Device::flex();
+        let random =
+            |shape: [usize; 3]| Tensor::<3>::random(shape, Distribution::Normal(0.0, 1.0), &device);
+        let (stream, branch) = (random([2, 9, 12]), random([2, 9, 12]));
+        let down = Tensor::<2>::random([12, 3], Distribution::Normal(0.0, 0.5), &device);
+        let up = Tensor::<2>::random([3, 12], Distribution::Normal(0.0, 0.5), &device);
+        let expected = stream.clone()
+            + branch.clone()
+            + stream
+                .clone()
+                .reshape([18, 12])
+                .matmul(down.clone())
+                .matmul(up.clone())
+                .reshape([2, 9, 12]);
+        let op = LowRankResidual::for_tensor(&stream).expect("Flex takes it");
+        op.apply(stream, branch, down, up)
+            .into_data()
+            .assert_approx_eq::<f32>(&expected.into_data(), Tolerance::absolute(1e-5));
+    }
+}

@@ -173,6 +173,17 @@ impl<'a, E> Strided<'a, E> {
     }
 }
 
+/// `a b` for `a` `[m, k]` and `b` `[k, n]`, a new row-major `[m, n]` (see [`product`]).
+pub(crate) fn new_product<E: Scalar>(
+    (m, n, k): (usize, usize, usize),
+    a: Strided<'_, E>,
+    b: Strided<'_, E>,
+) -> Vec<E> {
+    let mut out = vec![E::zero(); m * n];
+    product(&mut out, false, (m, n, k), a, b);
+    out
+}
+
 /// `out = a b` (or `out += a b` with `accumulate`) for `a` `[m, k]` and `b` `[k, n]` into the
 /// row-major `out` `[m, n]`, through `gemm`, which Flex's own matrix products call: its
 /// packed, register-blocked kernels read each operand once per panel, where a loop over the

@@ -27,7 +27,7 @@ use burn_flex::{Flex, FlexTensor};
 use rayon::prelude::*;
 
 use super::autodiff::constant;
-use super::flex_kernels::{Scalar, Strided, dims, product, tensor, values};
+use super::flex_kernels::{Scalar, Strided, dims, new_product, product, tensor, values};
 
 /// Elements per parallel task of the sum.
 const ELEMENTS_PER_TASK: usize = 16 * 1024;
@@ -106,10 +106,7 @@ fn forward<E: Scalar>(
     );
     let (s, h) = (values::<E>(stream), values::<E>(branch));
     let (a, b) = (values::<E>(down), values::<E>(up));
-    let mut projected = vec![E::zero(); rows * rank];
-    product(
-        &mut projected,
-        false,
+    let projected = new_product(
         (rows, rank, width),
         Strided::row_major(&s, width),
         Strided::row_major(&a, rank),
@@ -149,10 +146,7 @@ fn backward<E: Scalar>(
     let (s, a, b) = (values::<E>(stream), values::<E>(down), values::<E>(up));
     let (t, g) = (values::<E>(projected), values::<E>(grad));
     // u = g Bᵀ, the gradient of t.
-    let mut u = vec![E::zero(); rows * rank];
-    product(
-        &mut u,
-        false,
+    let u = new_product(
         (rows, rank, width),
         Strided::row_major(&g, width),
         Strided::transposed(&b, width),
@@ -165,18 +159,12 @@ fn backward<E: Scalar>(
         Strided::row_major(&u, rank),
         Strided::transposed(&a, rank),
     );
-    let mut grad_down = vec![E::zero(); width * rank];
-    product(
-        &mut grad_down,
-        false,
+    let grad_down = new_product(
         (width, rank, rows),
         Strided::transposed(&s, width),
         Strided::row_major(&u, rank),
     );
-    let mut grad_up = vec![E::zero(); rank * width];
-    product(
-        &mut grad_up,
-        false,
+    let grad_up = new_product(
         (rank, width, rows),
         Strided::transposed(&t, rank),
         Strided::row_major(&g, width),

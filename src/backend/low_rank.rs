@@ -65,7 +65,7 @@ impl LowRankResidual {
     }
 
     /// `stream + branch + (stream down) up` over the last axis (`down` `[d, r]`, `up` `[r, d]`);
-    /// Burn's tensor ops where the operands' dtypes differ.
+    /// Burn's tensor ops where the operands' dtypes differ or are neither f32 nor f64.
     pub(crate) fn apply<const D: usize>(
         self,
         stream: Tensor<D>,
@@ -78,8 +78,11 @@ impl LowRankResidual {
         let rows = stream.shape().num_elements() / width.max(1);
         let flat = |tensor: Tensor<D>| tensor.reshape([rows, width]);
         let (stream, branch) = (flat(stream), flat(branch));
+        // The pass's first tensor chose the op; a later one (a tail that casts) may not take it.
         let dtype = stream.dtype();
-        if [branch.dtype(), down.dtype(), up.dtype()] != [dtype; 3] {
+        let takes = matches!(dtype, DType::F32 | DType::F64)
+            && [branch.dtype(), down.dtype(), up.dtype()] == [dtype; 3];
+        if !takes {
             return (stream.clone() + branch + stream.matmul(down).matmul(up)).reshape(dims);
         }
         let (output, _projected) = <Dispatch as LowRankBackend>::low_rank_residual(

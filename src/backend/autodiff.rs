@@ -44,10 +44,29 @@ where
     Op: Backward<B, N>,
     X: Clone,
 {
+    let every = std::array::from_fn(|index| index);
+    tracked_op_keeping::<B, C, Op, X, N, N>(op, parents, every, forward, state)
+}
+
+/// [`tracked_op_saving`] checkpointing only the parents at `kept` (`state` gets their node ids
+/// in that order): a parent the backward never reads is not kept alive until it runs.
+pub(super) fn tracked_op_keeping<B, C, Op, X, const N: usize, const K: usize>(
+    op: Op,
+    parents: [FloatTensor<Autodiff<B, C>>; N],
+    kept: [usize; K],
+    forward: impl FnOnce([FloatTensor<B>; N]) -> (FloatTensor<B>, X),
+    state: impl FnOnce([NodeId; K], &FloatTensor<B>, X) -> Op::State,
+) -> (FloatTensor<Autodiff<B, C>>, X)
+where
+    B: Backend,
+    C: CheckpointStrategy,
+    Op: Backward<B, N>,
+    X: Clone,
+{
     let nodes = parents.each_ref().map(|parent| parent.node());
     match op.prepare::<C>(nodes).compute_bound().stateful() {
         OpsKind::Tracked(mut prep) => {
-            let checkpoints = parents.each_ref().map(|parent| prep.checkpoint(parent));
+            let checkpoints = kept.map(|index| prep.checkpoint(&parents[index]));
             let (output, saved) = forward(parents.map(|parent| parent.into_primitive()));
             let state = state(checkpoints, &output, saved.clone());
             (prep.finish(state, output), saved)

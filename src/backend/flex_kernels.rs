@@ -119,7 +119,7 @@ pub(crate) fn zeroed<E: Scalar>(chunk: &mut [MaybeUninit<E>]) -> &mut [E] {
 ///
 /// # Safety
 /// Every element must have been written (each chunk of a partition of the buffer passed
-/// through [`zeroed`]).
+/// through [`zeroed`] or [`write_axpy`]).
 pub(crate) unsafe fn written<E: Scalar>(buffer: Vec<MaybeUninit<E>>) -> Vec<E> {
     let mut buffer = std::mem::ManuallyDrop::new(buffer);
     let (pointer, len, capacity) = (buffer.as_mut_ptr(), buffer.len(), buffer.capacity());

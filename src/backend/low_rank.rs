@@ -18,7 +18,7 @@
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::autodiff::grads::Gradients;
-use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
+use burn::backend::autodiff::ops::{Backward, Ops};
 use burn::backend::autodiff::{Autodiff, NodeId};
 use burn::backend::tensor::FloatTensor;
 use burn::backend::{Backend, Dispatch, backend_extension};
@@ -26,8 +26,10 @@ use burn::tensor::{DType, Tensor};
 use burn_flex::{Flex, FlexTensor};
 use rayon::prelude::*;
 
-use super::autodiff::constant;
-use super::flex_kernels::{Scalar, Strided, dims, new_product, product, tensor, values};
+use super::autodiff::{constant, tracked_op_keeping};
+use super::flex_kernels::{
+    Scalar, Strided, dims, new_product, product, tensor, unwritten, values, write_axpy, written,
+};
 
 /// Elements per parallel task of the sum.
 const ELEMENTS_PER_TASK: usize = 16 * 1024;
@@ -114,16 +116,15 @@ fn forward<E: Scalar>(
         Strided::row_major(&s, width),
         Strided::row_major(&a, rank),
     );
-    let mut output = vec![E::zero(); rows * width];
-    output
-        .par_chunks_mut(ELEMENTS_PER_TASK)
+    let mut sum = unwritten::<E>(rows * width);
+    sum.par_chunks_mut(ELEMENTS_PER_TASK)
         .zip(s.par_chunks(ELEMENTS_PER_TASK))
         .zip(h.par_chunks(ELEMENTS_PER_TASK))
         .for_each(|((out, s), h)| {
-            for ((out, &s), &h) in out.iter_mut().zip(s).zip(h) {
-                *out = s + h;
-            }
+            write_axpy(out, Some(s), E::one(), h);
         });
+    // SAFETY: the chunks partition the buffer and `write_axpy` wrote each one whole.
+    let mut output = unsafe { written(sum) };
     product(
         &mut output,
         true,
@@ -249,33 +250,14 @@ impl<B: LowRankBackend, C: CheckpointStrategy> LowRankBackend for Autodiff<B, C>
         down: FloatTensor<Self>,
         up: FloatTensor<Self>,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-        let nodes = [&stream, &branch, &down, &up].map(|parent| parent.node());
-        let (output, projected) = match FusedLowRankResidual
-            .prepare::<C>(nodes)
-            .compute_bound()
-            .stateful()
-        {
-            OpsKind::Tracked(mut prep) => {
-                // `h` is not checkpointed: the backward does not read it.
-                let kept = [&stream, &down, &up].map(|parent| prep.checkpoint(parent));
-                let (output, projected) = B::low_rank_residual(
-                    stream.into_primitive(),
-                    branch.into_primitive(),
-                    down.into_primitive(),
-                    up.into_primitive(),
-                );
-                (prep.finish((kept, projected.clone()), output), projected)
-            }
-            OpsKind::UnTracked(prep) => {
-                let (output, projected) = B::low_rank_residual(
-                    stream.into_primitive(),
-                    branch.into_primitive(),
-                    down.into_primitive(),
-                    up.into_primitive(),
-                );
-                (prep.finish(output), projected)
-            }
-        };
+        // `h` is not checkpointed: the backward does not read it.
+        let (output, projected) = tracked_op_keeping::<B, C, _, _, 4, 3>(
+            FusedLowRankResidual,
+            [stream, branch, down, up],
+            [0, 2, 3],
+            |[stream, branch, down, up]| B::low_rank_residual(stream, branch, down, up),
+            |kept, _, projected| (kept, projected),
+        );
         (output, constant::<B, C>(projected))
     }
 

@@ -37,8 +37,8 @@ use rayon::prelude::*;
 use super::RowScale;
 use super::autodiff::{constant, tracked_op};
 use super::flex_kernels::{
-    Scalar, Strided, axpy, dims, dot, from_f64, product, tensor, to_f64, unwritten, values,
-    written, zeroed,
+    Scalar, Strided, axpy, dims, dot, from_f64, new_product, product, tensor, to_f64, unwritten,
+    values, written, zeroed,
 };
 use super::stream_mix::{DeferredTerms, UnitsGradient};
 
@@ -134,10 +134,7 @@ fn forward<E: Scalar>(rows: &FlexTensor, weights: &FlexTensor, scale: RowScale) 
         "normed projection: weights and rows disagree"
     );
     let (x, w) = (values::<E>(rows), values::<E>(weights));
-    let mut out = vec![E::zero(); count * columns];
-    product(
-        &mut out,
-        false,
+    let mut out = new_product(
         (count, columns, width),
         Strided::row_major(&x, width),
         Strided::row_major(&w, columns),
@@ -225,10 +222,7 @@ fn backward<E: Scalar>(
         Strided::row_major(&scaled, columns),
         Strided::transposed(&w, columns),
     );
-    let mut grad_weights = vec![E::zero(); width * columns];
-    product(
-        &mut grad_weights,
-        false,
+    let grad_weights = new_product(
         (width, columns, count),
         Strided::transposed(&x, width),
         Strided::row_major(&scaled, columns),

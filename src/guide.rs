@@ -4,8 +4,11 @@
 //! Papers: **H-ACN** (Hybrid Auto-Compressing Networks), **ANCRe** (Adaptive Neural Connection
 //! Reassignment), **HyperZZW** (Hyper Z·Z·W operator / Terminator, and its withdrawn 2D reference
 //! code), **HC** (Hyper-Connections, Zhu et al. 2024) and frac-connections, **mHC** (DeepSeek,
-//! arXiv 2512.24880), **DenseFormer** (Pagliardini et al. 2024). "Decision" marks a choice the
-//! papers leave open.
+//! arXiv 2512.24880), **DenseFormer** (Pagliardini et al. 2024), **AttnRes** (Attention
+//! Residuals, Kimi Team 2026, arXiv 2603.15031), **DeepSeek-V4's mHC** (as Hugging Face
+//! `transformers` ships it), **mHC-lite** (arXiv 2601.05732), **LAuReL** (ICML 2025, and Gemma
+//! 3n's block) and **MUDD** (MUDDFormer, arXiv 2502.12170). "Decision" marks a choice the papers
+//! leave open; `docs/MATH.md` has the equations.
 //!
 //! # Shared vocabulary
 //!
@@ -85,6 +88,25 @@
 //! |---|---|---|
 //! | `dilation` δ, `period` | DWA: `Y_i = Σ_{k ≡ i (mod δ), k ≤ i} α_i[k] X_k` after every `period`-th block | golden `dwa` (1×1, 2×1, 1×2); the paper's 4×5 DenseFormer is `dilation = 4, period = 5` |
 //! | init | `α_i = e_last`: exactly ResNet | only the states a later average needs are kept |
+//!
+//! # Attention Residuals ([`AttentionResidualsConfig`](crate::AttentionResidualsConfig))
+//!
+//! | option | implements | notes |
+//! |---|---|---|
+//! | `width` d | full AttnRes: `h_l = Σ_{i<l} softmax_i(w_l · k(v_i)) v_i` over `x` and every earlier branch output, `k(v) = v / sqrt(mean(v²) + ε)` without a weight | one pseudo-query `w_l` per block, zero at init (each block reads the mean of its sources); golden `attnres` |
+//! | `block_size` k | block AttnRes: the sources are `x`, the sums of the completed groups of `k` blocks and the current group's partial sum | the first block of a group reads the completed sums only (as `attn-res` 0.1.0); `k = 1` is full AttnRes; 0 is a typed error |
+//! | `epsilon` ε | the keys' RMS normalisation | default `1e-6` |
+//! | `output: Attend` / `Sum` | the output after the last block | decision: `Attend` (default) gives the output a pseudo-query of its own, as the paper treats it like one more layer; `Sum` (`x + Σ f_j`) is what `attn-res` 0.1.0 does |
+//! | [`Connectivity::matrix`](crate::Connectivity::matrix) | the mixtures of zero queries (uniform over each block's sources) | the model at init; the trained mixtures depend on the input |
+//!
+//! # DeepSeek-V4's mHC ([`MhcV4Config`](crate::MhcV4Config))
+//!
+//! | option | implements | notes |
+//! |---|---|---|
+//! | `width` C, `streams` n | `transformers`' `DeepseekV4HyperConnection`: `x̂ = rms(vec(S))`, `z = x̂ Fᵀ`, `H_pre = σ(s_pre z + b) + ε`, `H_post = 2σ(…)`, `H_res = SK(…)` applied transposed | golden `mhc_v4`; against mHC: `ε` inside the root of the row scale, the three scales one parameter `[3]` |
+//! | head | `DeepseekV4HyperHead`: `y = Σ_k g_k S_k`, `g = σ(s_head · x̂ F_headᵀ + b_head) + ε` | a learned collapse of the streams instead of their mean |
+//! | `sinkhorn_iterations` | `hc_sinkhorn_iters` (default 20): row softmax + ε, columns first, additive ε | as mHC's [`sinkhorn_knopp`](crate::sinkhorn_knopp) |
+//! | `init_std` | DeepSeek-V4's init: `F`, `F_head ~ N(0, init_std)` (default 0.02), biases 0, scales 1 | so `H_pre ≈ ½`, `H_post ≈ 1`, `H_res ≈` the uniform matrix (not the identity); decision: the connections take the streams' float type (`transformers` computes them in f32) |
 //!
 //! # mHC-lite ([`MhcLiteConfig`](crate::MhcLiteConfig))
 //!

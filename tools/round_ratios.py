@@ -10,7 +10,8 @@ beside the residual, so a round's ratio `variant / residual` cancels what drifts
 round. Per workload and variant the table gives:
 
 * the pooled rounds' median with its order-statistic interval (exact binomial, 95%; with five
-  rounds or fewer it is the whole range). It treats every round as independent, which they are
+  rounds or fewer no pair of order statistics reaches 95% and it is the whole range, with less
+  coverage). It treats every round as independent, which they are
   not: the machine's speed drifts within a run and differs between runs, so this interval is
   too narrow for a verdict and is only descriptive;
 * each run's median, and their mean with a Student-t 95% interval (`k` runs, `k - 1` degrees of
@@ -20,8 +21,13 @@ With `--target laurel=1.05` the `stack12` row (the depth the targets are set at)
 when the runs' interval lies below the target, `missed` when it lies above, `not shown`
 otherwise (and with fewer than three runs). `--rule every-run` gives the verdicts of the rule
 used until 2026-11-28 instead: `met` when the pooled rounds' interval and every run's median lie
-below the target, `missed` when all lie above. That rule gets stricter as runs are added (the
-largest of `k` medians grows with `k`), so more evidence can only turn `met` into `not shown`.
+below the target, `missed` when all lie above. Its every-run half only gets stricter as runs are
+added (the largest of `k` medians can only grow), so more runs can turn `met` into `not shown`
+and never back, and the chance of `met` tends to zero as runs are added.
+
+The runs' interval answers for the variant's typical ratio, not for every run (a single run can
+land past a target the interval clears), each target on its own (no correction for judging
+several), and takes the runs as independent (runs of different sessions may not be).
 """
 
 import math
@@ -44,7 +50,8 @@ T_975 = [
 
 
 def median_interval(values, level=0.95):
-    """(lower, upper) order statistics bracketing the median with at least `level` coverage.
+    """(lower, upper) order statistics bracketing the median with at least `level` coverage
+    (the whole range, with less, where no pair reaches it).
 
     >>> median_interval(list(range(1, 21)))  # 20 values: x_(6) and x_(15)
     (6, 15)

@@ -14,10 +14,11 @@
 //! grows more than its CPU time spends the difference in serial work (op dispatch, autodiff's
 //! bookkeeping, small ops on one core); `system_ms` the median of that CPU time spent in the
 //! kernel and `minor_faults` the median number of pages the process faulted in during a run
-//! (both `null` off Unix): memory the allocator took from the kernel, each page zeroed by it
-//! (see `--heap`); `host_peak_mb` the largest growth of heap memory during
-//! a run (all tensor memory on CPU backends; host-side bookkeeping only on GPU backends). The
-//! ratios on stderr are of the medians, with the median and quartiles of the per-round ratios
+//! (both `null` off Unix; of an even count of runs, the faults' median is the upper of the middle
+//! two, the other medians average them): memory the allocator took from the kernel, each page
+//! zeroed by it (see `--heap`); `host_peak_mb` the largest growth of heap memory during a run
+//! (all tensor memory on CPU backends; host-side bookkeeping only on GPU backends). The ratios
+//! on stderr are of the medians, with the median and quartiles of the per-round ratios
 //! beside them (their spread is the noise of the comparison), and the ratio of CPU times.
 //! While it runs, stderr shows each variant's warm-up time and each round's times (`round 2/5,
 //! ms: residual 57.93, mhc 77.86, …`), so that a run cut short by a time limit keeps them.
@@ -347,7 +348,15 @@ impl Timing {
 
 fn median(mut values: Vec<f64>) -> f64 {
     values.sort_by(f64::total_cmp);
-    values[values.len() / 2]
+    quantile(&values, 0.5)
+}
+
+/// The `q`-quantile of `sorted` (ascending, not empty), interpolated linearly between the order
+/// statistics (NumPy's default): the median of an even count is the mean of the middle two.
+fn quantile(sorted: &[f64], q: f64) -> f64 {
+    let at = q * (sorted.len() - 1) as f64;
+    let (below, above) = (at.floor() as usize, at.ceil() as usize);
+    sorted[below] + (at - below as f64) * (sorted[above] - sorted[below])
 }
 
 /// How many runs of each work are timed, after how many untimed ones.
@@ -484,8 +493,7 @@ impl Report {
                     .map(|(ms, base_ms)| ms / base_ms)
                     .collect();
                 paired.sort_by(f64::total_cmp);
-                // q = 2 is the median (index len / 2, as `median`).
-                let quartile = |q: usize| paired[(q * (paired.len() - 1)).div_ceil(4)];
+                let quartile = |q: usize| quantile(&paired, q as f64 / 4.0);
                 eprintln!(
                     "{workload:>18} {variant:>9}: time {:.3}x {baseline} (per round: median {:.3}, quartiles {:.3}-{:.3}), CPU time {:.3}x, host peak {:.3}x{}",
                     timing.median_ms() / base.median_ms(),
@@ -716,7 +724,19 @@ fn profile(device: &Device, rounds: Rounds, report: &mut Report) {
 
 #[cfg(test)]
 mod tests {
-    use super::{KernelUsage, round_order};
+    use super::{KernelUsage, median, quantile, round_order};
+
+    /// An even count's median is the mean of the middle two (`tools/round_ratios.py` takes
+    /// Python's `statistics.median`, the same); quartiles interpolate.
+    #[test]
+    fn medians_and_quartiles_interpolate() {
+        assert_eq!(median(vec![4.0, 1.0, 3.0, 2.0]), 2.5);
+        assert_eq!(median(vec![3.0, 1.0, 2.0]), 2.0);
+        let sorted = [1.0, 2.0, 3.0, 4.0, 5.0];
+        assert_eq!(quantile(&sorted, 0.25), 2.0);
+        assert_eq!(quantile(&[1.0, 2.0, 3.0, 4.0], 0.25), 1.75);
+        assert_eq!(quantile(&[7.0], 0.75), 7.0);
+    }
 
     /// Writing one byte to each page of a fresh anonymous mapping (without huge pages) faults
     /// every page in once (counted for this thread: other tests run beside it).

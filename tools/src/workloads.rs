@@ -25,7 +25,7 @@ use burn_connectivity::{
     Ancre, AncreConfig, AttentionResiduals, AttentionResidualsConfig, Block, DenseFormer,
     DenseFormerConfig, Hacn, HacnConfig, HyperConnections, HyperConnectionsConfig, Laurel,
     LaurelConfig, Mhc, MhcConfig, MhcLite, MhcLiteConfig, MhcV4, MhcV4Config, MlpBlock,
-    MlpBlockConfig, Mudd, MuddConfig, Stack,
+    MlpBlockConfig, Mudd, MuddConfig, Stack, StreamConnectivity,
 };
 
 pub const BATCH: usize = 8;
@@ -291,6 +291,56 @@ impl Model {
     pub fn train_step(&self, input: Tensor<3>) -> Gradients {
         self.forward(input).mean().backward()
     }
+
+    /// The model's connectivity alone, its blocks replaced by the stand-in branch
+    /// `f_j(u) = u / 2` (one elementwise op, the same for every variant): what the
+    /// connectivity's own ops cost in the stack, without the blocks' (the residual: its adds).
+    pub fn connectivity_forward(&self, input: Tensor<3>) -> Tensor<3> {
+        match self {
+            Self::Residual(blocks) => blocks
+                .iter()
+                .fold(input, |stream, _| stand_in_branch(stream.clone()) + stream),
+            Self::Hacn(stack) => connectivity_alone(stack, input),
+            Self::Ancre(stack) => connectivity_alone(stack, input),
+            Self::HyperZzw(stack) => connectivity_alone(stack, input),
+            Self::Hc(stack) => connectivity_alone(stack, input),
+            Self::Mhc(stack) => connectivity_alone(stack, input),
+            Self::Dwa(stack) => connectivity_alone(stack, input),
+            Self::AttnRes(stack) => connectivity_alone(stack, input),
+            Self::MhcV4(stack) => connectivity_alone(stack, input),
+            Self::Laurel(stack) => connectivity_alone(stack, input),
+            Self::MhcLite(stack) => connectivity_alone(stack, input),
+            Self::Mudd(stack) => connectivity_alone(stack, input),
+        }
+    }
+
+    /// Forward and backward of [`connectivity_forward`](Self::connectivity_forward)'s mean,
+    /// with the input tracked (so the residual's adds, which have no parameters, are in the
+    /// graph as they are between real blocks).
+    pub fn connectivity_train_step(&self, input: Tensor<3>) -> Gradients {
+        self.connectivity_forward(input.require_grad())
+            .mean()
+            .backward()
+    }
+}
+
+/// The stand-in for a block in [`Model::connectivity_forward`].
+fn stand_in_branch(block_input: Tensor<3>) -> Tensor<3> {
+    block_input.mul_scalar(0.5)
+}
+
+/// `stack`'s connectivity over its number of blocks of [`stand_in_branch`]es.
+fn connectivity_alone<C: StreamConnectivity<3>>(
+    stack: &Stack<MlpBlock, C>,
+    input: Tensor<3>,
+) -> Tensor<3> {
+    let connectivity = &stack.connectivity;
+    let mut state = connectivity.start(input);
+    for block in 0..stack.num_blocks() {
+        let branch = stand_in_branch(connectivity.block_input(&state));
+        state = connectivity.step(state, block, branch);
+    }
+    connectivity.output(&state)
 }
 
 /// A random `[B, T, d]` input of the `stack{depth}` workloads.

@@ -63,6 +63,56 @@ fn model_workload_runs_every_variant_at_reduced_size() {
     }
 }
 
+/// `--only connectivity` times every variant's connectivity alone next to the residual's whole
+/// step, and prints each one's share of that step.
+#[test]
+fn connectivity_alone_times_every_variant() {
+    let output = Command::new(env!("CARGO_BIN_EXE_bench_connectivity"))
+        .args([
+            "--only",
+            "connectivity",
+            "--runs",
+            "1",
+            "--warmup",
+            "0",
+            "--depths",
+            "2",
+        ])
+        .output()
+        .expect("runs");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "{stderr}");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        stdout.contains(r#""workload":"stack2.train_step","variant":"residual""#),
+        "{stdout}"
+    );
+    for variant in [
+        "residual",
+        "hacn",
+        "ancre",
+        "hyperzzw",
+        "hc",
+        "mhc",
+        "dwa",
+        "attnres",
+        "block_attnres",
+        "laurel",
+        "mhc_lite",
+        "mhc_v4",
+        "mudd",
+    ] {
+        let line = format!(r#""workload":"connectivity2.train_step","variant":"{variant}""#);
+        assert!(stdout.contains(&line), "no {line} in {stdout}");
+        if variant != "residual" {
+            assert!(
+                stderr.contains(&format!(" {variant}: alone ")),
+                "no share for {variant} in {stderr}"
+            );
+        }
+    }
+}
+
 /// `--pairs` times each variant against a residual of its own: a residual line before each
 /// variant's, and one ratio per variant, to its pair's residual.
 #[test]

@@ -24,7 +24,7 @@
 //! ms: residual 57.93, mhc 77.86, …`), so that a run cut short by a time limit keeps them.
 //!
 //! ```text
-//! cargo run --release -p burn-connectivity-tools --bin bench_connectivity -- [--device flex] [--runs 5] [--warmup 1] [--only stack|model|gconv|profile] [--model-size full|reduced] [--depths 12,24] [--heap system|retain]
+//! cargo run --release -p burn-connectivity-tools --bin bench_connectivity -- [--device flex] [--runs 5] [--warmup 1] [--only stack|model|gconv|profile|connectivity] [--model-size full|reduced] [--depths 12,24] [--heap system|retain]
 //! ```
 //!
 //! `--heap retain` (Linux with glibc) keeps the memory a run frees for the next one. By default
@@ -44,6 +44,15 @@
 //! `--only profile` times the operation classes of one residual MLP block on their own (forward
 //! and backward at the block's shapes) next to the depth-12 residual train step, and prints
 //! their share of it: what is the backend's time and what is left for the connectivity.
+//!
+//! `--only connectivity` times each variant's connectivity alone, train step, its blocks
+//! replaced by the stand-in branch `u / 2` (workload `connectivity{depth}.train_step`; the
+//! residual's line is its adds), round-robin with the residual's whole stack step, and prints
+//! each variant's time over the residual's adds as a share of that step: what the variant's
+//! ratio to the residual would be, less one, if the blocks cost the same under it. Its spread is
+//! that of a few milliseconds, not of two whole steps, so it shows where a variant's cost lies
+//! with less noise than the stack workload's ratios; it leaves out what a variant does to the
+//! blocks' own cost (memory traffic, page faults, caches).
 
 use burn_connectivity_tools as common;
 use burn_connectivity_tools::workloads;
@@ -113,6 +122,9 @@ enum Workload {
     Gconv,
     /// The residual train step next to each op class of one block.
     Profile,
+    /// Each variant's connectivity alone (blocks replaced by `u / 2`), train step, next to the
+    /// residual's whole stack step.
+    Connectivity,
 }
 
 /// Times the benchmark workloads; one JSON object per line, then the ratios to the residual.
@@ -127,7 +139,7 @@ struct Flags {
     /// Untimed runs before them.
     #[arg(long, default_value_t = 1)]
     warmup: usize,
-    /// One workload only (default: every workload but the profile).
+    /// One workload only (default: every workload but the profile and the connectivity alone).
     #[arg(long, value_enum)]
     only: Option<Workload>,
     /// Stack variants, comma separated (default: all; the residual is always timed).
@@ -582,6 +594,18 @@ fn run(flags: Flags) -> Result<(), String> {
     if only == Some(Workload::Profile) {
         profile(&device.clone().autodiff(), rounds, &mut report);
     }
+    if only == Some(Workload::Connectivity) {
+        for &depth in &flags.depths {
+            let shape = StackShape::stack(depth.into());
+            connectivity_alone(
+                &device.clone().autodiff(),
+                shape,
+                &variants,
+                rounds,
+                &mut report,
+            );
+        }
+    }
     if matches!(only, None | Some(Workload::Gconv)) {
         for length in GCONV_LENGTHS {
             let (z, kernel) = gconv_inputs(length, &device);
@@ -675,6 +699,79 @@ fn time_stacks(
 
 /// The residual train step at depth 12 and each operation class of one block, timed
 /// round-robin; a table of their shares on stderr.
+/// Each variant's connectivity alone ([`Model::connectivity_train_step`]) at `shape`, round-robin
+/// with the residual's whole stack train step, as the workloads `connectivity{depth}.train_step`
+/// (the residual's: its adds) and `stack{depth}.train_step` (the residual only); prints each
+/// variant's cost over the residual's adds as a share of the residual's whole step, which is
+/// what the variant's ratio to the residual would be if its blocks cost what the residual's do.
+fn connectivity_alone(
+    device: &Device,
+    shape: StackShape,
+    variants: &[Variant],
+    rounds: Rounds,
+    report: &mut Report,
+) {
+    let depth = shape.depth;
+    let models: Vec<Model> = variants
+        .iter()
+        .map(|&variant| Model::with_shape(variant, shape, device))
+        .collect();
+    let input = shape.input(device);
+    let mut works: Vec<Box<dyn Fn() -> Box<dyn std::any::Any> + '_>> = vec![Box::new(|| {
+        Box::new(models[0].train_step(input.clone())) as Box<dyn std::any::Any>
+    })];
+    for model in &models {
+        let input = input.clone();
+        works.push(Box::new(move || {
+            Box::new(model.connectivity_train_step(input.clone()))
+        }));
+    }
+    let works: Vec<&dyn Fn() -> Box<dyn std::any::Any>> =
+        works.iter().map(|work| work.as_ref()).collect();
+    let names: Vec<&str> = std::iter::once("stack")
+        .chain(variants.iter().map(|variant| variant.name()))
+        .collect();
+    let timings = measure_interleaved(device, rounds, &names, &works);
+    let step = &timings[0];
+    let alone = &timings[1];
+    report.record(format!("stack{depth}.train_step"), "residual", step.clone());
+    for (variant, timing) in variants.iter().zip(&timings[1..]) {
+        report.record(
+            format!("connectivity{depth}.train_step"),
+            variant.name(),
+            timing.clone(),
+        );
+    }
+    eprintln!(
+        "connectivity{depth}.train_step: the residual's whole step {:.1} ms, its adds alone {:.2} ms",
+        step.median_ms(),
+        alone.median_ms()
+    );
+    for (variant, timing) in variants.iter().zip(&timings[1..]).skip(1) {
+        // Per round: the variant's time over the residual's adds, against that round's whole
+        // residual step.
+        let mut shares: Vec<f64> = timing
+            .rounds_ms
+            .iter()
+            .zip(&alone.rounds_ms)
+            .zip(&step.rounds_ms)
+            .map(|((ms, adds), step)| (ms - adds) / step)
+            .collect();
+        shares.sort_by(f64::total_cmp);
+        eprintln!(
+            "{:>18} {:>13}: alone {:.2} ms, over the residual's adds {:+.2} ms: {:.1}% of the residual's step (per round: median {:.1}%, quartiles {:.1}-{:.1}%)",
+            format!("connectivity{depth}"),
+            variant.name(),
+            timing.median_ms(),
+            timing.median_ms() - alone.median_ms(),
+            100.0 * (timing.median_ms() - alone.median_ms()) / step.median_ms(),
+            100.0 * quantile(&shares, 0.5),
+            100.0 * quantile(&shares, 0.25),
+            100.0 * quantile(&shares, 0.75),
+        );
+    }
+}
+
 fn profile(device: &Device, rounds: Rounds, report: &mut Report) {
     let depth = DEPTHS[0];
     let model = Model::new(Variant::Residual, depth, device);

@@ -597,7 +597,7 @@ fn run(flags: Flags) -> Result<(), String> {
     if only == Some(Workload::Connectivity) {
         for &depth in &flags.depths {
             let shape = StackShape::stack(depth.into());
-            connectivity_alone(
+            time_connectivities(
                 &device.clone().autodiff(),
                 shape,
                 &variants,
@@ -697,14 +697,12 @@ fn time_stacks(
     }
 }
 
-/// The residual train step at depth 12 and each operation class of one block, timed
-/// round-robin; a table of their shares on stderr.
 /// Each variant's connectivity alone ([`Model::connectivity_train_step`]) at `shape`, round-robin
 /// with the residual's whole stack train step, as the workloads `connectivity{depth}.train_step`
 /// (the residual's: its adds) and `stack{depth}.train_step` (the residual only); prints each
 /// variant's cost over the residual's adds as a share of the residual's whole step, which is
 /// what the variant's ratio to the residual would be if its blocks cost what the residual's do.
-fn connectivity_alone(
+fn time_connectivities(
     device: &Device,
     shape: StackShape,
     variants: &[Variant],
@@ -717,6 +715,7 @@ fn connectivity_alone(
         .map(|&variant| Model::with_shape(variant, shape, device))
         .collect();
     let input = shape.input(device);
+    // `Variant::selected` puts the residual first: its whole step, then every connectivity.
     let mut works: Vec<Box<dyn Fn() -> Box<dyn std::any::Any> + '_>> = vec![Box::new(|| {
         Box::new(models[0].train_step(input.clone())) as Box<dyn std::any::Any>
     })];
@@ -758,13 +757,14 @@ fn connectivity_alone(
             .map(|((ms, adds), step)| (ms - adds) / step)
             .collect();
         shares.sort_by(f64::total_cmp);
+        let over_adds = timing.median_ms() - alone.median_ms();
         eprintln!(
             "{:>18} {:>13}: alone {:.2} ms, over the residual's adds {:+.2} ms: {:.1}% of the residual's step (per round: median {:.1}%, quartiles {:.1}-{:.1}%)",
             format!("connectivity{depth}"),
             variant.name(),
             timing.median_ms(),
-            timing.median_ms() - alone.median_ms(),
-            100.0 * (timing.median_ms() - alone.median_ms()) / step.median_ms(),
+            over_adds,
+            100.0 * over_adds / step.median_ms(),
             100.0 * quantile(&shares, 0.5),
             100.0 * quantile(&shares, 0.25),
             100.0 * quantile(&shares, 0.75),
@@ -772,6 +772,8 @@ fn connectivity_alone(
     }
 }
 
+/// The residual train step at depth 12 and each operation class of one block, timed
+/// round-robin; a table of their shares on stderr.
 fn profile(device: &Device, rounds: Rounds, report: &mut Report) {
     let depth = DEPTHS[0];
     let model = Model::new(Variant::Residual, depth, device);

@@ -594,7 +594,9 @@ mod tests {
     #[test]
     fn sinkhorn_knopp_converges_to_doubly_stochastic() {
         let device = Device::flex();
-        let logits = Tensor::<3>::random([5, 4, 4], Distribution::Normal(0.0, 2.0), &device);
+        // A fixed draw: about one draw in 400 of this spread holds a matrix too ill-conditioned
+        // to converge in 200 iterations, or a column too light to be normalised to 1e-4 in one.
+        let logits = crate::test_util::fixed_normal([5, 4, 4], 2.0, 7, &device);
         let health = |iterations| {
             ResidualMixingHealth::of(sinkhorn_knopp(logits.clone(), iterations).unwrap())
         };

@@ -1,6 +1,11 @@
 //! The same models and weights on Flex, NdArray and wgpu (Mesa's lavapipe in CI), and LibTorch
 //! with `--features tch`, and record save→load, for every connectivity, on stacks of MLP blocks
 //! and on wrapped burn-nn encoders.
+//!
+//! Every test draws its models and inputs from Flex's generator under a fixed seed, one test
+//! at a time ([`seeded`]), so that a failure reproduces.
+
+use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::nn::activation::ActivationConfig;
@@ -22,6 +27,15 @@ const WIDTH: usize = 8;
 /// A stream width whose rows span 512 bytes: on CubeCL backends, gates and coefficients with a
 /// gradient are then rows of an aligned table rather than selected entries (two code paths).
 const ALIGNED_WIDTH: usize = 128;
+
+/// Holds the tests of this binary to one at a time (Flex's generator is one per process) and
+/// seeds the generator: the draws made while the guard lives are the same in every run.
+fn seeded(seed: u64) -> MutexGuard<'static, ()> {
+    static SERIAL: Mutex<()> = Mutex::new(());
+    let guard = SERIAL.lock().unwrap_or_else(PoisonError::into_inner);
+    Device::flex().seed(seed);
+    guard
+}
 
 fn stack<C: ConnectivityConfig>(
     config: &C,
@@ -58,9 +72,10 @@ fn reload<C: ConnectivityConfig>(
 /// tokens and the widths of products chained through six blocks; two f32 backends that sum in
 /// another order differ by about 1e-4 of the terms summed, and where terms cancel that is more
 /// than 1e-4 of the result (seen: 1.0e-4 on an entry of 0.099 between Flex and NdArray, 1.1e-4
-/// on an entry of 0.0087 between Flex and wgpu, inputs drawn afresh each run). So the bound is
-/// relative to the tensor's largest entry, the scale of its terms (at least 1): 2e-4 of it, or
-/// 1e-3 of the entry. A dropped or wrong term moves an entry by the size of its terms.
+/// on an entry of 0.0087 between Flex and wgpu, on draws made before the tests were seeded). So
+/// the bound is relative to the tensor's largest entry, the scale of its terms (at least 1):
+/// 2e-4 of it, or 1e-3 of the entry. A dropped or wrong term moves an entry by the size of its
+/// terms.
 fn gradient_tolerance(reference: &TensorData) -> Tolerance<f32> {
     let largest = reference
         .iter::<f32>()
@@ -262,6 +277,7 @@ where
 
 #[test]
 fn hacn_family_agrees_across_backends() {
+    let _draws = seeded(1);
     for config in [HacnConfig::new(), HacnConfig::resnet(), HacnConfig::acn()] {
         assert_stacks_agree(&config, &[WIDTH, ALIGNED_WIDTH]);
     }
@@ -269,6 +285,7 @@ fn hacn_family_agrees_across_backends() {
 
 #[test]
 fn ancre_agrees_across_backends() {
+    let _draws = seeded(2);
     assert_stacks_agree(&AncreConfig::new(), &[WIDTH, ALIGNED_WIDTH]);
     assert_stacks_agree(
         &AncreConfig::residual(1e-3).with_normalization(Normalization::Outgoing),
@@ -278,6 +295,7 @@ fn ancre_agrees_across_backends() {
 
 #[test]
 fn wrapped_encoders_agree_across_backends() {
+    let _draws = seeded(3);
     for (norm_first, granularity) in [
         (true, Granularity::Block),
         (true, Granularity::Sublayer),
@@ -297,6 +315,7 @@ fn wrapped_encoders_agree_across_backends() {
 
 #[test]
 fn multi_stream_and_dense_connectivities_agree_across_backends() {
+    let _draws = seeded(4);
     for width in [WIDTH, ALIGNED_WIDTH] {
         assert_stacks_agree(&HyperConnectionsConfig::new(width), &[width]);
         assert_stacks_agree(
@@ -328,6 +347,7 @@ fn multi_stream_and_dense_connectivities_agree_across_backends() {
 
 #[test]
 fn multi_stream_and_dense_records_save_and_load() {
+    let _draws = seeded(5);
     assert_save_load_is_exact(&HyperConnectionsConfig::new(WIDTH).with_fractions(2));
     assert_save_load_is_exact(&HyperConnectionsConfig::new(WIDTH).with_dynamic(false));
     assert_save_load_is_exact(&MhcConfig::new(WIDTH).with_phi_std(0.1));
@@ -358,11 +378,13 @@ fn hyperzzw() -> HyperZzwConnectivityConfig {
 
 #[test]
 fn hyperzzw_connectivity_agrees_across_backends() {
+    let _draws = seeded(6);
     assert_stacks_agree(&hyperzzw(), &[WIDTH]);
 }
 
 #[test]
 fn save_then_load_gives_identical_outputs() {
+    let _draws = seeded(7);
     assert_save_load_is_exact(&hyperzzw());
     for config in [HacnConfig::new(), HacnConfig::resnet(), HacnConfig::acn()] {
         assert_save_load_is_exact(&config);
@@ -373,6 +395,7 @@ fn save_then_load_gives_identical_outputs() {
 
 #[test]
 fn loaded_frozen_gates_stay_frozen() {
+    let _draws = seeded(8);
     let device = Device::flex().autodiff();
     let frozen = HacnConfig::new().with_trainable(false);
     let loaded = reload(&stack(&frozen, BLOCKS, &device), &frozen, BLOCKS, &device);
@@ -383,6 +406,7 @@ fn loaded_frozen_gates_stay_frozen() {
 
 #[test]
 fn truncated_models_save_and_load_as_smaller_models() {
+    let _draws = seeded(9);
     let device = Device::flex();
     let x = Tensor::<3>::random([2, 3, 8], Distribution::Normal(0.0, 1.0), &device);
 
@@ -410,6 +434,7 @@ fn truncated_models_save_and_load_as_smaller_models() {
 /// gradients.
 #[test]
 fn hyperzzw_operators_agree_across_backends() {
+    let _draws = seeded(10);
     use burn_connectivity::hyperzzw::{
         Crop, LocalHyperZzw, LocalHyperZzwConfig, SlowNet, SlowNetConfig, global_hyperzzw_1d,
         global_hyperzzw_2d,
@@ -479,6 +504,7 @@ fn reload_module<M: Module>(source: &M, fresh: M) -> M {
 /// load exactly.
 #[test]
 fn attention_residuals_and_deepseek_v4_agree_across_backends() {
+    let _draws = seeded(11);
     for block_size in [1, 2] {
         let config = AttentionResidualsConfig::new(WIDTH).with_block_size(block_size);
         assert_stacks_agree(&config, &[WIDTH]);
@@ -494,6 +520,7 @@ fn attention_residuals_and_deepseek_v4_agree_across_backends() {
 /// gradients; records save and load exactly.
 #[test]
 fn mhc_lite_laurel_and_mudd_agree_across_backends() {
+    let _draws = seeded(12);
     let lite = MhcLiteConfig::new(WIDTH)
         .with_phi_std(0.3)
         .with_alpha_init(1.0);

@@ -417,7 +417,7 @@ impl<B: HistoryMixBackend, C: CheckpointStrategy> HistoryMixBackend for Autodiff
 #[cfg(test)]
 mod tests {
     use burn::prelude::*;
-    use burn::tensor::{Distribution, FloatDType, Tolerance};
+    use burn::tensor::FloatDType;
 
     use super::History;
 
@@ -459,20 +459,31 @@ mod tests {
 
     impl Inputs {
         fn new(plan: &Plan, dtype: FloatDType, device: &Device) -> Self {
-            let shape = [3, 5, 2900]; // more than one task of elements
-            let random = |low: f64, high: f64| {
-                Tensor::<3>::random(shape, Distribution::Uniform(low, high), device).cast(dtype)
+            // Fixed draws (uniform in `[low, high)`, a seed per tensor): a case that fails
+            // fails again.
+            let mut seed = 0;
+            let mut random = |shape: Vec<usize>, low: f64, high: f64| {
+                seed += 1;
+                let mut uniform = crate::test_util::fixed_uniform(seed);
+                let count = shape.iter().product();
+                let values: Vec<f32> = (0..count)
+                    .map(|_| (low + (high - low) * uniform()) as f32)
+                    .collect();
+                TensorData::new(values, shape)
             };
+            let shape = vec![3, 5, 2900]; // more than one task of elements
+            let mut states = |low: f64, high: f64| {
+                Tensor::<3>::from_data(random(shape.clone(), low, high), device).cast(dtype)
+            };
+            let x = states(-1.0, 1.0);
+            let scales = plan.iter().map(|_| states(0.5, 1.5)).collect();
+            let probes = plan.iter().map(|_| states(-1.0, 1.0)).collect();
+            let weights = random(vec![weight_count(plan)], -1.0, 1.0);
             Self {
-                x: random(-1.0, 1.0),
-                scales: plan.iter().map(|_| random(0.5, 1.5)).collect(),
-                weights: Tensor::<1>::random(
-                    [weight_count(plan)],
-                    Distribution::Uniform(-1.0, 1.0),
-                    device,
-                )
-                .cast(dtype),
-                probes: plan.iter().map(|_| random(-1.0, 1.0)).collect(),
+                x,
+                scales,
+                weights: Tensor::<1>::from_data(weights, device).cast(dtype),
+                probes,
             }
         }
     }
@@ -579,16 +590,14 @@ mod tests {
                     let (fused, fused_grads) = run(&plan, &inputs, &used, true, orphan_first);
                     let (composed, composed_grads) =
                         run(&plan, &inputs, &used, false, orphan_first);
-                    let tolerance = Tolerance::absolute(tolerance).set_relative(tolerance);
-                    assert_eq!(fused_grads.len(), composed_grads.len(), "{name} {used:?}");
-                    for (a, b) in fused
-                        .iter()
-                        .zip(&composed)
-                        .chain(fused_grads.iter().zip(&composed_grads))
-                    {
-                        assert_eq!(a.shape(), b.shape(), "{name} {used:?}");
-                        a.assert_approx_eq::<f64>(b, tolerance);
-                    }
+                    // `∂W` sums ~10⁴ products in another order: an entry that cancels keeps
+                    // their rounding (see `assert_tensors_close`).
+                    crate::test_util::assert_tensors_close(
+                        &[fused, fused_grads].concat(),
+                        &[composed, composed_grads].concat(),
+                        tolerance,
+                        &format!("{name} {used:?} {dtype:?}"),
+                    );
                 }
             }
         }

@@ -287,7 +287,7 @@ impl<B: LowRankBackend, C: CheckpointStrategy> LowRankBackend for Autodiff<B, C>
 #[cfg(test)]
 mod tests {
     use burn::prelude::*;
-    use burn::tensor::{Distribution, FloatDType, Tolerance};
+    use burn::tensor::{FloatDType, Tolerance};
 
     use super::LowRankResidual;
 
@@ -309,14 +309,15 @@ mod tests {
             ),
         ] {
             for (rows, width, rank) in [(37, 24, 1), (300, 70, 16)] {
-                let random = |shape: [usize; 2], std: f64| {
-                    Tensor::<2>::random(shape, Distribution::Normal(0.0, std), &device).cast(dtype)
+                // Fixed draws: a case that fails fails again.
+                let random = |shape: [usize; 2], std: f64, seed: u64| {
+                    crate::test_util::fixed_normal(shape, std, seed, &device).cast(dtype)
                 };
-                let stream = random([width, rows], 1.0);
-                let branch = random([rows, width], 1.0);
-                let down = random([width, rank], 0.3);
-                let up = random([rank, width], 0.3);
-                let probe = random([rows, width], 1.0);
+                let stream = random([width, rows], 1.0, 1);
+                let branch = random([rows, width], 1.0, 2);
+                let down = random([width, rank], 0.3, 3);
+                let up = random([rank, width], 0.3, 4);
+                let probe = random([rows, width], 1.0, 5);
                 let run = |fused: bool| {
                     let leaves = [&stream, &branch, &down, &up].map(|t| t.clone().require_grad());
                     let [s, h, a, b] = leaves.clone();
@@ -345,10 +346,10 @@ mod tests {
     fn untracked_op_is_the_update() {
         let device = Device::flex();
         let random =
-            |shape: [usize; 3]| Tensor::<3>::random(shape, Distribution::Normal(0.0, 1.0), &device);
-        let (stream, branch) = (random([2, 9, 12]), random([2, 9, 12]));
-        let down = Tensor::<2>::random([12, 3], Distribution::Normal(0.0, 0.5), &device);
-        let up = Tensor::<2>::random([3, 12], Distribution::Normal(0.0, 0.5), &device);
+            |shape: [usize; 3], seed| crate::test_util::fixed_normal(shape, 1.0, seed, &device);
+        let (stream, branch) = (random([2, 9, 12], 1), random([2, 9, 12], 2));
+        let down = crate::test_util::fixed_normal([12, 3], 0.5, 3, &device);
+        let up = crate::test_util::fixed_normal([3, 12], 0.5, 4, &device);
         let expected = stream.clone()
             + branch.clone()
             + stream

@@ -338,7 +338,7 @@ impl<B: NormedProjectionBackend, C: CheckpointStrategy> NormedProjectionBackend 
 #[cfg(test)]
 mod tests {
     use burn::prelude::*;
-    use burn::tensor::{Distribution, FloatDType, Tolerance};
+    use burn::tensor::FloatDType;
 
     use super::fused_normed_projection;
     use crate::backend::RowScale;
@@ -381,8 +381,9 @@ mod tests {
                 (40, 10, 7, true, mhc(10)),
                 (1, 3, 4, false, hc(3)),
             ] {
-                let random = |shape: [usize; 2]| {
-                    Tensor::<2>::random(shape, Distribution::Normal(0.0, 1.0), &device).cast(dtype)
+                // Fixed draws: a case that fails fails again, on every machine.
+                let random = |shape: [usize; 2], seed: u64| {
+                    crate::test_util::fixed_normal(shape, 1.0, seed, &device).cast(dtype)
                 };
                 // Row r scaled by 10^(r mod 5 − 2): norms from 1e-2 to 1e2 of the typical one.
                 let magnitudes: Vec<f64> =
@@ -392,12 +393,12 @@ mod tests {
                         .cast(dtype)
                         .reshape([count, 1]);
                 let rows = if transposed {
-                    random([width, count]).transpose()
+                    random([width, count], 1).transpose()
                 } else {
-                    random([count, width])
-                } * magnitudes;
-                let weights = random([width, columns]);
-                let probe = random([count, columns]);
+                    random([count, width], 2)
+                } * magnitudes.clone();
+                let weights = random([width, columns], 3);
+                let probe = random([count, columns], 4);
                 let run = |fused: bool| {
                     let (x, w) = (rows.clone().require_grad(), weights.clone().require_grad());
                     let output = if fused {
@@ -406,28 +407,25 @@ mod tests {
                         composed_normed_projection(x.clone(), w.clone(), scale)
                     };
                     let grads = (output.clone() * probe.clone()).sum().backward();
+                    // ∂rows in the rows' own scale (∂x ∝ 1/|x|): a row of norm 1e-2 would
+                    // otherwise set the tolerance of a row of norm 1e2.
                     [
                         output.into_data(),
-                        x.grad(&grads).unwrap().into_data(),
+                        (x.grad(&grads).unwrap() * magnitudes.clone()).into_data(),
                         w.grad(&grads).unwrap().into_data(),
                     ]
                 };
                 let (fused, composed) = (run(true), run(false));
-                let tolerance = match dtype {
-                    FloatDType::F64 => Tolerance::absolute(1e-10).set_relative(1e-9),
-                    _ => Tolerance::absolute(1e-4).set_relative(1e-3),
+                // f32: to 1e-4 of an entry or 1e-5 of its tensor's scale (entries that cancel
+                // keep the rounding of their terms, see `assert_tensors_close`). The paths'
+                // worst f32 difference on these draws is about 1e-3 of that; scaling one
+                // term of ∂x by 1.003 fails.
+                let relative = match dtype {
+                    FloatDType::F64 => 1e-9,
+                    _ => 1e-4,
                 };
-                for (name, (fused, composed)) in ["output", "∂rows", "∂weights"]
-                    .iter()
-                    .zip(fused.iter().zip(&composed))
-                {
-                    assert_eq!(
-                        fused.shape(),
-                        composed.shape(),
-                        "{name} R={count} w={width}"
-                    );
-                    fused.assert_approx_eq::<f64>(composed, tolerance);
-                }
+                let case = format!("{dtype:?} R={count} w={width} c={columns}");
+                crate::test_util::assert_tensors_close(&fused, &composed, relative, &case);
             }
         }
     }

@@ -606,7 +606,6 @@ impl<B: UnitKernelsBackend, C: CheckpointStrategy> UnitKernelsBackend for Autodi
 #[cfg(all(test, feature = "wgpu"))]
 mod tests {
     use burn::prelude::*;
-    use burn::tensor::Tolerance;
 
     use super::{MAX_UNITS, mix, projection};
     use crate::backend::units::{composed_mix, composed_normed_projection};
@@ -637,19 +636,9 @@ mod tests {
             .collect()
     }
 
-    /// Entries agree to 1e-3 relative, or to 1e-4 of the tensor's largest entry (at least 1):
-    /// an entry that cancels between large terms (rows of norm 1e2 in the projection) keeps
-    /// the absolute rounding of those terms, not its own relative precision.
+    /// Entries agree to 1e-3 relative, or to 1e-4 of the tensor's largest entry (at least 1).
     fn assert_all_close(kernel: &[TensorData], composed: &[TensorData], case: &str) {
-        let names = ["output", "∂1", "∂2", "∂3", "∂4"];
-        for ((kernel, composed), name) in kernel.iter().zip(composed).zip(names) {
-            assert_eq!(kernel.shape(), composed.shape(), "{name} of {case}");
-            let largest = composed
-                .iter::<f32>()
-                .fold(1.0f32, |largest, value| largest.max(value.abs()));
-            let tolerance = Tolerance::absolute(1e-4 * largest).set_relative(1e-3);
-            kernel.assert_approx_eq::<f32>(composed, tolerance);
-        }
+        crate::test_util::assert_tensors_close(kernel, composed, 1e-3, case);
     }
 
     /// The projection kernels against the composed tensor ops on wgpu, forward and both

@@ -303,7 +303,8 @@ fn gamma_samples(shape: f64, count: usize, device: &Device) -> Vec<f64> {
             // Acceptance is above 95% per try: falling through all tries is practically impossible.
             let value = accepted.unwrap_or(base);
             if boosted {
-                value * boosts[sample].max(f64::MIN_POSITIVE).powf(1.0 / shape)
+                // `1 − u` is uniform on (0, 1] (`u` on [0, 1)): never 0, so that no sample is.
+                value * (1.0 - boosts[sample]).powf(1.0 / shape)
             } else {
                 value
             }

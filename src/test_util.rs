@@ -60,10 +60,11 @@ pub fn assert_close<const D: usize>(actual: Tensor<D>, expected: Tensor<D>) {
 }
 
 /// Each tensor of `actual` against the same one of `expected`, entry by entry: to `relative`
-/// of the entry, or to `relative / 10` of the tensor's largest entry (at least 1). An entry
-/// that cancels between large terms (a gradient summed over rows of norm 1e2) keeps the
+/// of the entry, or to `relative / 10` of the tensor's largest finite entry (at least 1). An
+/// entry that cancels between large terms (a gradient summed over rows of norm 1e2) keeps the
 /// absolute rounding of those terms, not its own relative precision; a wrong term in the math
-/// moves entries by a fraction of the scale, far more. `case` names the comparison.
+/// moves entries by a fraction of the scale, far more. A non-finite entry must be the same on
+/// both sides (NaN against NaN, or the same infinity). `case` names the comparison.
 pub fn assert_tensors_close(
     actual: &[TensorData],
     expected: &[TensorData],
@@ -75,15 +76,31 @@ pub fn assert_tensors_close(
         assert_eq!(actual.shape(), expected.shape(), "tensor {index} of {case}");
         let largest = expected
             .iter::<f64>()
+            .filter(|value| value.is_finite())
             .fold(1.0f64, |largest, value| largest.max(value.abs()));
         for (entry, (a, b)) in actual.iter::<f64>().zip(expected.iter::<f64>()).enumerate() {
             let allowed = (relative * b.abs()).max(relative / 10.0 * largest);
+            let agree = if b.is_finite() {
+                (a - b).abs() <= allowed
+            } else {
+                a == b || (a.is_nan() && b.is_nan())
+            };
             assert!(
-                (a - b).abs() <= allowed,
+                agree,
                 "{case}, tensor {index}, entry {entry}: {a} vs {b} (allowed {allowed:.3e})"
             );
         }
     }
+}
+
+/// `1 / s(n_r)` for every row `r` of `rows` (`[R, w]`), as `[R, 1]`: a row's gradient through a
+/// normed projection is proportional to its scale `s` (see `RowScale`), so that gradient times
+/// this is of one size for rows of any norm, and one tolerance fits them all.
+pub fn inverse_row_scales(rows: &Tensor<2>, scale: crate::backend::RowScale) -> Tensor<2> {
+    let norms = rows.clone().square().sum_dim(1);
+    (norms.add_scalar(scale.root_offset).sqrt() + scale.offset)
+        .clamp_min(scale.floor)
+        .div_scalar(scale.numerator)
 }
 
 /// The gradient of `param` in `grads`, read back to the host (panics if it has none).

@@ -396,7 +396,8 @@ mod tests {
                     random([width, count], 1).transpose()
                 } else {
                     random([count, width], 2)
-                } * magnitudes.clone();
+                } * magnitudes;
+                let inverse_scales = crate::test_util::inverse_row_scales(&rows, scale);
                 let weights = random([width, columns], 3);
                 let probe = random([count, columns], 4);
                 let run = |fused: bool| {
@@ -407,11 +408,11 @@ mod tests {
                         composed_normed_projection(x.clone(), w.clone(), scale)
                     };
                     let grads = (output.clone() * probe.clone()).sum().backward();
-                    // ∂rows in the rows' own scale (∂x ∝ 1/|x|): a row of norm 1e-2 would
+                    // ∂rows in the rows' own scale (∂x ∝ s(‖x‖)): a row of norm 1e-2 would
                     // otherwise set the tolerance of a row of norm 1e2.
                     [
                         output.into_data(),
-                        (x.grad(&grads).unwrap() * magnitudes.clone()).into_data(),
+                        (x.grad(&grads).unwrap() * inverse_scales.clone()).into_data(),
                         w.grad(&grads).unwrap().into_data(),
                     ]
                 };

@@ -188,6 +188,11 @@ pub fn fixed_normal<const D: usize>(
     Tensor::from_data(TensorData::new(values, shape), device)
 }
 
+/// A standard normal [`fixed_normal`] draw per `seed`: a failing case fails again.
+pub fn standard_normal<const D: usize>(shape: [usize; D], seed: u64, device: &Device) -> Tensor<D> {
+    fixed_normal(shape, 1.0, seed, device)
+}
+
 /// `num_blocks` tanh blocks of width [`WIDTH`] whose weights and biases are fixed draws
 /// ([`fixed_normal`] of deviation `1/√WIDTH`, the scale of Burn's initialisation): the same
 /// blocks in every run, so that a comparison that fails on them fails again.

@@ -5,7 +5,9 @@
 //! Every test draws its models and inputs from Flex's generator under a fixed seed, one test
 //! at a time ([`seeded`]), so that a failure reproduces.
 
-use std::sync::{Mutex, MutexGuard, PoisonError};
+mod common;
+
+use std::sync::MutexGuard;
 
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::nn::activation::ActivationConfig;
@@ -28,13 +30,9 @@ const WIDTH: usize = 8;
 /// gradient are then rows of an aligned table rather than selected entries (two code paths).
 const ALIGNED_WIDTH: usize = 128;
 
-/// Holds the tests of this binary to one at a time (Flex's generator is one per process) and
-/// seeds the generator: the draws made while the guard lives are the same in every run.
+/// One test at a time, Flex's generator seeded ([`common::seeded`]).
 fn seeded(seed: u64) -> MutexGuard<'static, ()> {
-    static SERIAL: Mutex<()> = Mutex::new(());
-    let guard = SERIAL.lock().unwrap_or_else(PoisonError::into_inner);
-    Device::flex().seed(seed);
-    guard
+    common::seeded(&Device::flex(), seed)
 }
 
 fn stack<C: ConnectivityConfig>(

@@ -4,7 +4,9 @@
 //! Every test draws its problem from Flex's generator under a fixed seed, one test at a time
 //! ([`seeded`]), so that a failure reproduces.
 
-use std::sync::{Mutex, MutexGuard, OnceLock, PoisonError};
+mod common;
+
+use std::sync::{MutexGuard, OnceLock};
 
 use burn::module::{ModuleMapper, ModuleVisitor, Param};
 use burn::prelude::*;
@@ -40,13 +42,9 @@ fn device() -> Device {
         .clone()
 }
 
-/// Holds the tests of this binary to one at a time (Flex's generator is one per process) and
-/// seeds the generator: the draws made while the guard lives are the same in every run.
+/// One test at a time, Flex's generator seeded ([`common::seeded`]).
 fn seeded(seed: u64) -> MutexGuard<'static, ()> {
-    static SERIAL: Mutex<()> = Mutex::new(());
-    let guard = SERIAL.lock().unwrap_or_else(PoisonError::into_inner);
-    device().seed(seed);
-    guard
+    common::seeded(&device(), seed)
 }
 
 struct Problem {

@@ -419,8 +419,8 @@ mod tests {
                 let (fused, composed) = (run(true), run(false));
                 // f32: to 1e-4 of an entry or 1e-5 of its tensor's scale (entries that cancel
                 // keep the rounding of their terms, see `assert_tensors_close`). The paths'
-                // worst f32 difference on these draws is about 1e-3 of that; scaling one
-                // term of ∂x by 1.003 fails.
+                // worst f32 difference on these draws is about 1% of that; scaling one term
+                // of ∂x by 1.003 fails.
                 let relative = match dtype {
                     FloatDType::F64 => 1e-9,
                     _ => 1e-4,

@@ -752,11 +752,7 @@ mod tests {
     use crate::backend::RowScale;
     use crate::backend::normed_projection::fused_normed_projection;
     use crate::backend::units::composed_mix;
-
-    /// A fixed standard normal draw per `seed`: a failing case fails again.
-    fn random<const D: usize>(shape: [usize; D], seed: u64, device: &Device) -> Tensor<D> {
-        crate::test_util::fixed_normal(shape, 1.0, seed, device)
-    }
+    use crate::test_util::standard_normal as random;
 
     /// The fused op against the composed tensor ops on Flex, forward and every gradient: weights
     /// per token and shared (leading axis 1), with and without the addend, one and two views,

@@ -611,14 +611,10 @@ mod tests {
     use crate::backend::units::{composed_mix, composed_normed_projection};
     use crate::backend::{Gains, MatrixRows, RowScale, UnitOps};
     use crate::device::device;
+    use crate::test_util::standard_normal as random;
 
     fn wgpu() -> Device {
         device("wgpu").expect("wgpu compiled in").autodiff()
-    }
-
-    /// A fixed standard normal draw per `seed`: a failing case fails again.
-    fn random<const D: usize>(shape: [usize; D], seed: u64, device: &Device) -> Tensor<D> {
-        crate::test_util::fixed_normal(shape, 1.0, seed, device)
     }
 
     /// Runs `op` on leaves made from `inputs` and returns its output and the gradients of every

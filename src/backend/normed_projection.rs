@@ -20,8 +20,9 @@
 //! with the `x_r` term and, where the rows are a layer's units whose mixes left their parts of
 //! the units' gradient in a [`UnitsGradient`] (see there), those parts, in one pass, then adds
 //! `(s ∂P) Wᵀ` in an accumulating product, so that the units' gradient is written once for all
-//! three ops; `∂W = xᵀ (s ∂P)` is one more product.
-//! Flex only (f32 and f64).
+//! three ops; `∂W = xᵀ (s ∂P)` is one more product. Onto at most 16 columns (AttnRes's logits)
+//! each way is one pass over the rows instead, every row's norm, products and gradients taken
+//! while it is in cache. Flex only (f32 and f64).
 
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
@@ -37,13 +38,21 @@ use rayon::prelude::*;
 use super::RowScale;
 use super::autodiff::{constant, tracked_op};
 use super::flex_kernels::{
-    Scalar, Strided, axpy, dims, dot, from_f64, new_product, product, tensor, to_f64, unwritten,
-    values, written, zeroed,
+    Scalar, Strided, add_weighted_sum, axpy, dims, dot, dots, from_f64, new_product, product,
+    tensor, to_f64, unwritten, values, write_axpy, written, zeroed,
 };
 use super::stream_mix::{DeferredTerms, UnitsGradient};
 
 /// Rows per parallel task.
 const ROWS_PER_TASK: usize = 32;
+
+/// The most columns projected in one pass over the rows each way ([`forward_in_one_pass`],
+/// [`backward_in_one_pass`]); more (HC's and mHC's 24 and up) go through gemm, whose blocked
+/// products make up for the extra passes.
+const ROW_PASS_COLUMNS: usize = 16;
+
+/// Rows per task of [`backward_in_one_pass`], each with its own part of `∂W`.
+const ROWS_PER_WEIGHT_PART: usize = 128;
 
 impl RowScale {
     /// `s(n)` and `s'(n) / n` (0 where `s` is flat, and for a zero row, whose term vanishes).
@@ -134,6 +143,9 @@ fn forward<E: Scalar>(rows: &FlexTensor, weights: &FlexTensor, scale: RowScale) 
         "normed projection: weights and rows disagree"
     );
     let (x, w) = (values::<E>(rows), values::<E>(weights));
+    if (1..=ROW_PASS_COLUMNS).contains(&columns) && width > 0 {
+        return forward_in_one_pass(&x, &w, (width, columns), scale);
+    }
     let mut out = new_product(
         (count, columns, width),
         Strided::row_major(&x, width),
@@ -147,6 +159,39 @@ fn forward<E: Scalar>(rows: &FlexTensor, weights: &FlexTensor, scale: RowScale) 
             out.iter_mut().for_each(|value| *value = *value * s);
         }
     }
+    tensor(out, [count, columns])
+}
+
+/// `W` transposed, `[C, w]`: the rows the one-pass forward and backward read per column.
+fn transposed<E: Scalar>(w: &[E], (width, columns): (usize, usize)) -> Vec<E> {
+    (0..columns * width)
+        .map(|i| w[(i % width) * columns + i / width])
+        .collect()
+}
+
+/// `s(‖x_r‖) x_r W` onto at most [`ROW_PASS_COLUMNS`] columns in one pass over the rows: each
+/// row's norm and its products with the columns of `W` while it is in cache, where the general
+/// path reads `x` once in gemm and once more for the norms.
+fn forward_in_one_pass<E: Scalar>(
+    x: &[E],
+    w: &[E],
+    (width, columns): (usize, usize),
+    scale: RowScale,
+) -> FlexTensor {
+    let count = x.len() / width;
+    let transposed = transposed(w, (width, columns));
+    let columns_of_w: Vec<&[E]> = transposed.chunks_exact(width).collect();
+    let mut out = vec![E::zero(); count * columns];
+    out.par_chunks_mut(ROWS_PER_TASK * columns)
+        .zip(x.par_chunks(ROWS_PER_TASK * width))
+        .for_each(|(out, x)| {
+            for (out, x) in out.chunks_exact_mut(columns).zip(x.chunks_exact(width)) {
+                let (s, _) = scale.at(to_f64(dot(x, x)).sqrt());
+                dots(x, &columns_of_w, out);
+                let s = from_f64::<E>(s);
+                out.iter_mut().for_each(|value| *value = *value * s);
+            }
+        });
     tensor(out, [count, columns])
 }
 
@@ -169,6 +214,9 @@ fn backward<E: Scalar>(
         values::<E>(projection),
         values::<E>(grad),
     );
+    if (1..=ROW_PASS_COLUMNS).contains(&columns) && width > 0 && deferred.is_empty() {
+        return backward_in_one_pass([&x, &w, &p, &g], (width, columns), scale);
+    }
     let scales = row_scales(&x, width, scale);
     // `s_r ∂P_r`, and the coefficient of `x_r` in `∂x_r`: `s'/n · x_r W · ∂P_r`, where
     // `x_r W · ∂P_r = (P_r · ∂P_r) / s_r`.
@@ -231,6 +279,73 @@ fn backward<E: Scalar>(
         tensor(grad_rows, [count, width]),
         tensor(grad_weights, [width, columns]),
     )
+}
+
+/// `∂x` and `∂W` of a projection onto at most [`ROW_PASS_COLUMNS`] columns (AttnRes's logits:
+/// one column per query), in one pass over the rows: each row's scale from its norm, its row
+/// of `∂x` written once, as `c_r x_r + Σ_q (s ∂P)[r, q] Wᵀ[q]`, and its `x_r ⊗ (s ∂P)_r` added
+/// to its task's part of `∂Wᵀ`, the parts summed at the end. The general path reads `x` three
+/// times (norms, the `x_r` term, `∂W`'s product) and writes `∂x` three times (zeroed, the `x_r`
+/// term, the accumulating product), and a product this small runs on one thread in gemm.
+fn backward_in_one_pass<E: Scalar>(
+    [x, w, p, g]: [&[E]; 4],
+    (width, columns): (usize, usize),
+    scale: RowScale,
+) -> (FlexTensor, FlexTensor) {
+    let count = x.len() / width;
+    let transposed = transposed(w, (width, columns));
+    let mut grad_rows = unwritten::<E>(count * width);
+    // One part of `∂Wᵀ` per task, summed in the tasks' order: the same sum on every run.
+    let parts: Vec<Vec<E>> = grad_rows
+        .par_chunks_mut(ROWS_PER_WEIGHT_PART * width)
+        .zip(x.par_chunks(ROWS_PER_WEIGHT_PART * width))
+        .zip(p.par_chunks(ROWS_PER_WEIGHT_PART * columns))
+        .zip(g.par_chunks(ROWS_PER_WEIGHT_PART * columns))
+        .map(|(((grad_x, x), p), g)| {
+            let mut part = vec![E::zero(); columns * width];
+            let mut scaled = vec![E::zero(); columns];
+            let mut terms = Vec::with_capacity(columns);
+            for (((grad_x, x), p), g) in grad_x
+                .chunks_exact_mut(width)
+                .zip(x.chunks_exact(width))
+                .zip(p.chunks_exact(columns))
+                .zip(g.chunks_exact(columns))
+            {
+                // As the general path: `s ∂P_r`, and `s'/n · (P_r · ∂P_r) / s` for `x_r`.
+                let (s, slope) = scale.at(to_f64(dot(x, x)).sqrt());
+                let (s, slope) = (from_f64::<E>(s), from_f64::<E>(slope));
+                scaled.iter_mut().zip(g).for_each(|(out, &g)| *out = s * g);
+                let grad_x = write_axpy(grad_x, None, slope * dot(p, g) / s, x);
+                terms.clear();
+                terms.extend(scaled.iter().copied().zip(transposed.chunks_exact(width)));
+                add_weighted_sum(grad_x, &terms);
+                for (&scaled, part) in scaled.iter().zip(part.chunks_exact_mut(width)) {
+                    axpy(part, scaled, x);
+                }
+            }
+            part
+        })
+        .collect();
+    let mut grad_transposed = vec![E::zero(); columns * width];
+    for part in &parts {
+        axpy(&mut grad_transposed, E::one(), part);
+    }
+    // SAFETY: the tasks' chunks partition `grad_rows`, and `write_axpy` wrote each row whole.
+    let grad_rows = unsafe { written(grad_rows) };
+    (
+        tensor(grad_rows, [count, width]),
+        tensor(
+            transposed_back(&grad_transposed, (width, columns)),
+            [width, columns],
+        ),
+    )
+}
+
+/// `[C, w]` back to `[w, C]`.
+fn transposed_back<E: Scalar>(t: &[E], (width, columns): (usize, usize)) -> Vec<E> {
+    (0..width * columns)
+        .map(|i| t[(i % columns) * width + i / columns])
+        .collect()
 }
 
 impl NormedProjectionBackend for Flex {
@@ -346,8 +461,9 @@ mod tests {
 
     /// The fused op against the composed tensor ops on Flex, forward and both gradients, in f32
     /// and f64: both row scales (HC's floor, mHC's offset), column counts around the blocks of
-    /// four, widths that do not fill the lanes, row counts that do not fill the last task, rows
-    /// of very different norms, and rows handed over transposed (not contiguous).
+    /// four and on both sides of the one-pass backward's limit, widths that do not fill the
+    /// lanes, row counts that do not fill the last task, rows of very different norms, and rows
+    /// handed over transposed (not contiguous).
     #[test]
     fn fused_op_matches_the_composed_operations() {
         let device = Device::flex().autodiff();
@@ -380,6 +496,9 @@ mod tests {
                 (5, 8, 1, true, hc(8)),
                 (40, 10, 7, true, mhc(10)),
                 (1, 3, 4, false, hc(3)),
+                // Past one part of the one-pass backward's `∂W` (128 rows), the last part short.
+                (300, 37, 13, false, rms(37)),
+                (260, 16, 16, true, mhc(16)),
             ] {
                 // Fixed draws: a case that fails fails again, on every machine.
                 let random = |shape: [usize; 2], seed: u64| {

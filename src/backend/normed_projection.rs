@@ -51,6 +51,11 @@ const ROWS_PER_TASK: usize = 32;
 /// products make up for the extra passes.
 const ROW_PASS_COLUMNS: usize = 16;
 
+/// Whether a projection of rows of `width` onto `columns` goes through the one-pass ops.
+fn takes_one_pass(width: usize, columns: usize) -> bool {
+    width > 0 && (1..=ROW_PASS_COLUMNS).contains(&columns)
+}
+
 /// Rows per task of [`backward_in_one_pass`], each with its own part of `∂W`.
 const ROWS_PER_WEIGHT_PART: usize = 128;
 
@@ -75,6 +80,12 @@ impl RowScale {
         } else {
             (self.numerator / self.floor, 0.0)
         }
+    }
+
+    /// [`at`](Self::at) the norm of `row`, in the row's precision.
+    fn of_row<E: Scalar>(self, row: &[E]) -> (E, E) {
+        let (scale, slope) = self.at(to_f64(dot(row, row)).sqrt());
+        (from_f64(scale), from_f64(slope))
     }
 }
 
@@ -127,8 +138,7 @@ fn row_scales<E: Scalar>(x: &[E], width: usize, scale: RowScale) -> Vec<(E, E)> 
             .zip(x.par_chunks(ROWS_PER_TASK * width))
             .for_each(|(scales, x)| {
                 for (scale_r, x) in scales.iter_mut().zip(x.chunks_exact(width)) {
-                    let (s, slope) = scale.at(to_f64(dot(x, x)).sqrt());
-                    *scale_r = (from_f64(s), from_f64(slope));
+                    *scale_r = scale.of_row(x);
                 }
             });
     }
@@ -143,7 +153,7 @@ fn forward<E: Scalar>(rows: &FlexTensor, weights: &FlexTensor, scale: RowScale) 
         "normed projection: weights and rows disagree"
     );
     let (x, w) = (values::<E>(rows), values::<E>(weights));
-    if (1..=ROW_PASS_COLUMNS).contains(&columns) && width > 0 {
+    if takes_one_pass(width, columns) {
         return forward_in_one_pass(&x, &w, (width, columns), scale);
     }
     let mut out = new_product(
@@ -162,10 +172,11 @@ fn forward<E: Scalar>(rows: &FlexTensor, weights: &FlexTensor, scale: RowScale) 
     tensor(out, [count, columns])
 }
 
-/// `W` transposed, `[C, w]`: the rows the one-pass forward and backward read per column.
-fn transposed<E: Scalar>(w: &[E], (width, columns): (usize, usize)) -> Vec<E> {
-    (0..columns * width)
-        .map(|i| w[(i % width) * columns + i / width])
+/// The transpose of the row-major `[rows, columns]` `matrix`: `W`'s columns as rows for the
+/// one-pass ops, and their `∂Wᵀ` back.
+fn transpose<E: Scalar>(matrix: &[E], (rows, columns): (usize, usize)) -> Vec<E> {
+    (0..columns * rows)
+        .map(|i| matrix[(i % rows) * columns + i / rows])
         .collect()
 }
 
@@ -179,16 +190,15 @@ fn forward_in_one_pass<E: Scalar>(
     scale: RowScale,
 ) -> FlexTensor {
     let count = x.len() / width;
-    let transposed = transposed(w, (width, columns));
+    let transposed = transpose(w, (width, columns));
     let columns_of_w: Vec<&[E]> = transposed.chunks_exact(width).collect();
     let mut out = vec![E::zero(); count * columns];
     out.par_chunks_mut(ROWS_PER_TASK * columns)
         .zip(x.par_chunks(ROWS_PER_TASK * width))
         .for_each(|(out, x)| {
             for (out, x) in out.chunks_exact_mut(columns).zip(x.chunks_exact(width)) {
-                let (s, _) = scale.at(to_f64(dot(x, x)).sqrt());
+                let (s, _) = scale.of_row(x);
                 dots(x, &columns_of_w, out);
-                let s = from_f64::<E>(s);
                 out.iter_mut().for_each(|value| *value = *value * s);
             }
         });
@@ -214,7 +224,7 @@ fn backward<E: Scalar>(
         values::<E>(projection),
         values::<E>(grad),
     );
-    if (1..=ROW_PASS_COLUMNS).contains(&columns) && width > 0 && deferred.is_empty() {
+    if takes_one_pass(width, columns) && deferred.is_empty() {
         return backward_in_one_pass([&x, &w, &p, &g], (width, columns), scale);
     }
     let scales = row_scales(&x, width, scale);
@@ -293,7 +303,7 @@ fn backward_in_one_pass<E: Scalar>(
     scale: RowScale,
 ) -> (FlexTensor, FlexTensor) {
     let count = x.len() / width;
-    let transposed = transposed(w, (width, columns));
+    let transposed = transpose(w, (width, columns));
     let mut grad_rows = unwritten::<E>(count * width);
     // One part of `∂Wᵀ` per task, summed in the tasks' order: the same sum on every run.
     let parts: Vec<Vec<E>> = grad_rows
@@ -312,8 +322,7 @@ fn backward_in_one_pass<E: Scalar>(
                 .zip(g.chunks_exact(columns))
             {
                 // As the general path: `s ∂P_r`, and `s'/n · (P_r · ∂P_r) / s` for `x_r`.
-                let (s, slope) = scale.at(to_f64(dot(x, x)).sqrt());
-                let (s, slope) = (from_f64::<E>(s), from_f64::<E>(slope));
+                let (s, slope) = scale.of_row(x);
                 scaled.iter_mut().zip(g).for_each(|(out, &g)| *out = s * g);
                 let grad_x = write_axpy(grad_x, None, slope * dot(p, g) / s, x);
                 terms.clear();
@@ -335,17 +344,10 @@ fn backward_in_one_pass<E: Scalar>(
     (
         tensor(grad_rows, [count, width]),
         tensor(
-            transposed_back(&grad_transposed, (width, columns)),
+            transpose(&grad_transposed, (columns, width)),
             [width, columns],
         ),
     )
-}
-
-/// `[C, w]` back to `[w, C]`.
-fn transposed_back<E: Scalar>(t: &[E], (width, columns): (usize, usize)) -> Vec<E> {
-    (0..width * columns)
-        .map(|i| t[(i % columns) * width + i / columns])
-        .collect()
 }
 
 impl NormedProjectionBackend for Flex {

@@ -15,11 +15,13 @@
 //! backward a scaled copy, a product with its row reduction, the narrow's scatter into `∂W`, and
 //! autodiff's add of `∂x_k` into the state's gradient so far. Here a mixture reads its states
 //! once forward, row by row with the row's sums in registers, and writes the output once.
-//! Backward, it takes each state's gradient so far out of autodiff's container and writes
-//! `so far + W[:, k] ∂m` into a fresh buffer in one pass, in the op that computes `∂W`: no add
-//! per state and mixture follows. (A gradient that autodiff handed over is only read, never
-//! written in place: an in-place update of a buffer that looked unshared broke MUDD's
-//! finite-difference test.)
+//! Backward, it takes each state's gradient so far out of autodiff's container and adds
+//! `W[:, k] ∂m` to it in the op that computes `∂W`: no add per state and mixture follows. The
+//! sum is written into the gradient so far itself where the op holds the only reference to its
+//! buffer (typically one an earlier mixture's backward wrote: a state read by `L` mixtures is
+//! written fresh once and updated in place `L − 1` times), and into a fresh buffer where the
+//! buffer is shared (autodiff hands one gradient to several parents as clones of one buffer),
+//! which is then only read.
 //!
 //! Under autodiff the op's parents are `W` and every state (padded to a fixed count by repeating
 //! `W`, which gets no gradient through the padding), so Burn orders its backward like any op's
@@ -435,7 +437,8 @@ mod flex {
 
     use super::super::autodiff::constant;
     use super::super::flex_kernels::{
-        Scalar, add_weighted_sum, dots, tensor, unwritten, values, write_axpy, written, zeroed,
+        Scalar, add_weighted_sum, axpy, dots, tensor, unwritten, values, write_axpy, written,
+        zeroed,
     };
     use super::MAX_STATES;
 
@@ -577,61 +580,95 @@ mod flex {
         tensor(unsafe { written(out) }, [tokens, width]).reshape(shape)
     }
 
-    /// Where one state's gradient goes: a fresh buffer, written as the gradient so far (if
-    /// any) plus this mixture's term, so that no separate add follows. The gradient so far is
-    /// only read: a buffer that autodiff handed over is never written in place.
-    struct Target<E> {
-        sofar: Option<FlexTensor>,
-        out: Vec<MaybeUninit<E>>,
+    /// Where one state's gradient goes: the gradient so far itself, updated in place, where
+    /// this op holds its only reference (a buffer nothing else can read); else a fresh buffer,
+    /// written as the gradient so far (if any) plus this mixture's term, so that no separate
+    /// add follows and a shared buffer is only read.
+    enum Target<E> {
+        InPlace(FlexTensor),
+        Fresh {
+            sofar: Option<FlexTensor>,
+            out: Vec<MaybeUninit<E>>,
+        },
     }
 
-    /// A task's rows of one target: the rows of the gradient so far (if any) and the output's.
-    struct Rows<'a, E> {
-        sofar: Option<&'a [E]>,
-        out: &'a mut [MaybeUninit<E>],
+    /// A task's rows of one target.
+    enum Rows<'a, E> {
+        /// The gradient so far's rows, to which the term is added.
+        InPlace(&'a mut [E]),
+        /// The rows of the gradient so far (if any) and the output's.
+        Fresh {
+            sofar: Option<&'a [E]>,
+            out: &'a mut [MaybeUninit<E>],
+        },
     }
 
     impl<E: Scalar> Target<E> {
         fn new(sofar: Option<FlexTensor>, len: usize) -> Self {
-            let sofar = sofar.map(|tensor| {
-                if tensor.layout().is_contiguous() && tensor.layout().start_offset() == 0 {
-                    tensor
-                } else {
-                    tensor.to_contiguous()
-                }
-            });
-            Self {
-                sofar,
-                out: unwritten::<E>(len),
+            match sofar {
+                Some(sofar) if owned_whole::<E>(&sofar, len) => Self::InPlace(sofar),
+                sofar => Self::Fresh {
+                    sofar: sofar.map(|tensor| {
+                        if tensor.layout().is_contiguous() && tensor.layout().start_offset() == 0 {
+                            tensor
+                        } else {
+                            tensor.to_contiguous()
+                        }
+                    }),
+                    out: unwritten::<E>(len),
+                },
             }
         }
 
         /// The target cut into chunks of `size` elements.
         fn chunks(&mut self, size: usize) -> Vec<Rows<'_, E>> {
-            let sofar = self.sofar.as_ref().map(|tensor| {
-                let values = tensor.as_slice::<E>().expect("contiguous");
-                values[..self.out.len()].chunks(size)
-            });
-            match sofar {
-                Some(sofar) => sofar
-                    .zip(self.out.chunks_mut(size))
-                    .map(|(sofar, out)| Rows {
-                        sofar: Some(sofar),
-                        out,
-                    })
-                    .collect(),
-                None => self
-                    .out
+            match self {
+                Self::InPlace(tensor) => tensor
+                    .try_storage_mut::<E>()
+                    .expect("an owned buffer")
                     .chunks_mut(size)
-                    .map(|out| Rows { sofar: None, out })
+                    .map(Rows::InPlace)
+                    .collect(),
+                Self::Fresh {
+                    sofar: Some(sofar),
+                    out,
+                } => {
+                    let sofar = sofar.as_slice::<E>().expect("contiguous");
+                    sofar[..out.len()]
+                        .chunks(size)
+                        .zip(out.chunks_mut(size))
+                        .map(|(sofar, out)| Rows::Fresh {
+                            sofar: Some(sofar),
+                            out,
+                        })
+                        .collect()
+                }
+                Self::Fresh { sofar: None, out } => out
+                    .chunks_mut(size)
+                    .map(|out| Rows::Fresh { sofar: None, out })
                     .collect(),
             }
         }
 
         fn into_tensor(self, shape: [usize; 2]) -> FlexTensor {
-            // SAFETY: the tasks' chunks partition the buffer, each written whole.
-            tensor(unsafe { written(self.out) }, shape)
+            match self {
+                Self::InPlace(tensor) => tensor.reshape(Shape::from(shape)),
+                // SAFETY: the tasks' chunks partition the buffer, each written whole.
+                Self::Fresh { out, .. } => tensor(unsafe { written(out) }, shape),
+            }
         }
+    }
+
+    /// Whether `tensor` can take this op's term in place: its buffer held by nothing else
+    /// (autodiff hands a gradient it shares between parents to each as a clone of one buffer),
+    /// holding exactly its `len` elements of `E` from the first byte, in row-major order.
+    fn owned_whole<E: Scalar>(tensor: &FlexTensor, len: usize) -> bool {
+        tensor.is_unique()
+            && tensor.dtype() == E::dtype()
+            && tensor.layout().is_contiguous()
+            && tensor.layout().start_offset() == 0
+            && tensor.layout().num_elements() == len
+            && tensor.bytes().len() == len * std::mem::size_of::<E>()
     }
 
     /// One parallel task of the backward pass: its rows of every target (with the state's
@@ -694,15 +731,25 @@ mod flex {
                     );
                 }
                 // Each target's rows written once: `so far + W[t, k] ∂m[t]`.
-                for (k, Rows { sofar, out }) in outputs {
-                    for (i, out) in out.chunks_mut(width).enumerate() {
-                        let sofar = sofar.map(|sofar| &sofar[i * width..][..width]);
-                        write_axpy(
-                            out,
-                            sofar,
-                            weights[(first + i) * count + k],
-                            token_row(&grad, first + i, width),
-                        );
+                for (k, rows) in outputs {
+                    let weight = |i: usize| weights[(first + i) * count + k];
+                    match rows {
+                        Rows::InPlace(sofar) => {
+                            for (i, sofar) in sofar.chunks_mut(width).enumerate() {
+                                axpy(sofar, weight(i), token_row(&grad, first + i, width));
+                            }
+                        }
+                        Rows::Fresh { sofar, out } => {
+                            for (i, out) in out.chunks_mut(width).enumerate() {
+                                let sofar = sofar.map(|sofar| &sofar[i * width..][..width]);
+                                write_axpy(
+                                    out,
+                                    sofar,
+                                    weight(i),
+                                    token_row(&grad, first + i, width),
+                                );
+                            }
+                        }
                     }
                 }
             });
@@ -966,6 +1013,76 @@ mod tests {
             &[FloatDType::F32, FloatDType::F64],
             &[1, 2, 3, 7, 15, 31, 40],
         );
+    }
+
+    /// Mixtures chained as AttnRes's and MUDD's are (a state read by several mixtures, a
+    /// mixture's output read by a later one, a state read by an add as well), so that a
+    /// backward finds gradients so far that an earlier backward left (its own buffer, which it
+    /// updates in place) and gradients it shares with another parent (which it only reads):
+    /// the values and every gradient equal the composed form's.
+    fn chained_mixtures_equal_composed(device: &Device, dtype: FloatDType) {
+        let normal = Distribution::Normal(0.0, 1.0);
+        let random = |last: usize| Tensor::<3>::random([2, 9, last], normal, device).cast(dtype);
+        let leaves: Vec<Tensor<3>> = (0..5).map(|_| random(20)).collect();
+        let weights: Vec<Tensor<3>> = [3, 5, 4].into_iter().map(random).collect();
+        let probes: Vec<Tensor<3>> = (0..2).map(|_| random(20)).collect();
+        let run = |fused: bool| {
+            let mix = |weights: &Tensor<3>, states: Vec<Tensor<3>>| {
+                if fused {
+                    super::token_mix(weights.clone(), states)
+                } else {
+                    super::composed(weights.clone(), states)
+                }
+            };
+            let leaves: Vec<Tensor<3>> = leaves.iter().map(|l| l.clone().require_grad()).collect();
+            let weights: Vec<Tensor<3>> =
+                weights.iter().map(|w| w.clone().require_grad()).collect();
+            let x: Vec<Tensor<3>> = leaves.iter().map(|l| l.clone() * 1.5).collect();
+            let first = mix(&weights[0], vec![x[0].clone(), x[1].clone(), x[2].clone()]);
+            let second = mix(
+                &weights[1],
+                vec![
+                    x[0].clone(),
+                    x[1].clone(),
+                    x[2].clone(),
+                    x[3].clone(),
+                    first.clone(),
+                ],
+            );
+            let third = mix(
+                &weights[2],
+                vec![x[1].clone(), second.clone(), x[4].clone(), x[0].clone()],
+            ) + x[1].clone();
+            let loss = (third.clone() * probes[0].clone()).sum()
+                + (second * probes[1].clone()).sum()
+                + first.powi_scalar(2).sum();
+            let grads = loss.backward();
+            let mut out = vec![third.into_data()];
+            out.extend(leaves.iter().map(|l| l.grad(&grads).unwrap().into_data()));
+            out.extend(weights.iter().map(|w| w.grad(&grads).unwrap().into_data()));
+            out
+        };
+        let tolerance = match dtype {
+            FloatDType::F64 => Tolerance::absolute(1e-12).set_relative(1e-12),
+            _ => Tolerance::absolute(1e-5).set_relative(1e-5),
+        };
+        for (fused, composed) in run(true).into_iter().zip(run(false)) {
+            fused.assert_approx_eq::<f64>(&composed, tolerance);
+        }
+    }
+
+    #[cfg(feature = "flex")]
+    #[test]
+    fn chained_mixtures_equal_composed_on_flex() {
+        for dtype in [FloatDType::F32, FloatDType::F64] {
+            chained_mixtures_equal_composed(&Device::flex().autodiff(), dtype);
+        }
+    }
+
+    #[cfg(feature = "wgpu")]
+    #[test]
+    fn chained_mixtures_equal_composed_on_wgpu() {
+        chained_mixtures_equal_composed(&crate::test_util::wgpu_autodiff(), FloatDType::F32);
     }
 
     /// Through the CubeCL kernels on wgpu: one part, a full part, and chains of two and three

@@ -28,6 +28,16 @@ and never back, and the chance of `met` tends to zero as runs are added.
 The runs' interval answers for the variant's typical ratio, not for every run (a single run can
 land past a target the interval clears), each target on its own (no correction for judging
 several), and takes the runs as independent (runs of different sessions may not be).
+
+    python3 tools/round_ratios.py [--target ...] --window A LOG ... --window B LOG ... [...]
+
+The runs of one window of time are not independent either: on a shared machine the ratios
+shift between windows (by 0.03 within one session, 2026-11-28) by more than the runs of one
+window spread. `--window LABEL` puts the LOGs after it in that window; with windows given, each
+window's replicate is the mean of its runs' medians, the verdict takes the windows as the
+replicates (at least three; Student-t over the windows) and a column gives their mean and
+interval. Take windows far enough apart that the machine's state can change between them
+(tens of minutes, or other sessions) and the same binary in each.
 """
 
 import math
@@ -90,6 +100,18 @@ def run_interval(medians):
     return mean, mean - half, mean + half
 
 
+def window_means(medians, windows):
+    """The mean of each window's runs' medians, in the order the windows first appear.
+
+    >>> window_means([1.0, 1.2, 2.0, 3.0, 3.2], ["A", "A", "B", "C", "C"])
+    [1.1, 2.0, 3.1]
+    """
+    grouped = defaultdict(list)
+    for median, window in zip(medians, windows):
+        grouped[window].append(median)
+    return [round(statistics.fmean(values), 12) for values in grouped.values()]
+
+
 def verdict(target, medians, pooled_interval, rule="runs"):
     """`met`, `missed` or `not shown` for a target ratio.
 
@@ -123,7 +145,8 @@ def verdict(target, medians, pooled_interval, rule="runs"):
 
 def main(argv):
     targets = {}
-    logs = []
+    logs = []  # (window or None, path)
+    window = None
     rule = "runs"
     args = iter(argv)
     for arg in args:
@@ -132,17 +155,25 @@ def main(argv):
             if not name or not ratio:
                 sys.exit("--target takes NAME=RATIO, e.g. --target laurel=1.05")
             targets[name] = float(ratio)
+        elif arg == "--window":
+            window = next(args, "")
+            if not window:
+                sys.exit("--window takes a label, then that window's LOGs")
         elif arg == "--rule":
             rule = next(args, "")
             if rule not in ("runs", "every-run"):
                 sys.exit("--rule takes runs or every-run")
         else:
-            logs.append(arg)
+            logs.append((window, arg))
     if not logs:
         sys.exit(__doc__)
+    windowed = any(window is not None for window, _ in logs)
+    if windowed and any(window is None for window, _ in logs):
+        sys.exit("with --window, every LOG comes after a --window LABEL")
     ratios = defaultdict(list)  # (workload, variant) -> per-round ratios
     run_medians = defaultdict(list)  # (workload, variant) -> each run's median ratio
-    for log in logs:
+    run_windows = defaultdict(list)  # (workload, variant) -> each run's window
+    for window, log in logs:
         pending = []
         for line in open(log, encoding="utf-8", errors="replace"):
             found = ROUND.search(line)
@@ -160,12 +191,16 @@ def main(argv):
                 for variant, values in run.items():
                     ratios[(workload, variant)].extend(values)
                     run_medians[(workload, variant)].append(statistics.median(values))
+                    run_windows[(workload, variant)].append(window)
                 pending = []
-    print(
+    header = (
         "| workload | variant | rounds | rounds' median [95%, rounds as independent] "
-        "| runs' medians | runs' mean [95%, t] | target |"
+        "| runs' medians | runs' mean [95%, t] |"
     )
-    print("|---|---|---|---|---|---|---|")
+    if windowed:
+        header += " windows' means | windows' mean [95%, t] |"
+    print(header + " target |")
+    print("|---" * (8 if windowed else 6) + "|---|")
     for (workload, variant), values in sorted(ratios.items()):
         lower, upper = median_interval(values)
         middle = statistics.median(values)
@@ -174,14 +209,23 @@ def main(argv):
         over_runs = "—"
         if interval is not None:
             over_runs = "{:.3f}× [{:.3f}–{:.3f}×]".format(*interval)
+        replicates = medians
+        by_window = ""
+        if windowed:
+            replicates = window_means(medians, run_windows[(workload, variant)])
+            over_windows = run_interval(replicates)
+            by_window = " {} | {} |".format(
+                ", ".join(f"{m:.3f}" for m in replicates),
+                "—" if over_windows is None else "{:.3f}× [{:.3f}–{:.3f}×]".format(*over_windows),
+            )
         said = ""
         if variant in targets and workload.startswith("stack12"):
             target = targets[variant]
-            said = f"≤ {target:.2f}×: {verdict(target, medians, (lower, upper), rule)}"
+            said = f"≤ {target:.2f}×: {verdict(target, replicates, (lower, upper), rule)}"
         each = ", ".join(f"{m:.3f}" for m in medians)
         print(
             f"| {workload} | {variant} | {len(values)} | {middle:.3f}× [{lower:.3f}–{upper:.3f}×] "
-            f"| {each} | {over_runs} | {said} |"
+            f"| {each} | {over_runs} |{by_window} {said} |"
         )
 
 

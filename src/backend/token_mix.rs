@@ -940,7 +940,7 @@ mod flex {
 #[cfg(all(test, any(feature = "flex", feature = "cube-kernels")))]
 mod tests {
     use burn::prelude::*;
-    use burn::tensor::{Distribution, FloatDType, Tolerance};
+    use burn::tensor::{Distribution, FloatDType, TensorData, Tolerance};
 
     /// The fused op equals the composed form on `device` (an autodiff device), values and the
     /// gradients of the weights and of every tracked state, for mixtures of `counts` states,
@@ -993,14 +993,20 @@ mod tests {
                     assert!(states[0].grad(&grads).is_none());
                     out
                 };
-                let tolerance = match dtype {
-                    FloatDType::F64 => Tolerance::absolute(1e-12).set_relative(1e-12),
-                    _ => Tolerance::absolute(1e-5).set_relative(1e-5),
-                };
-                for (fused, composed) in run(true).into_iter().zip(run(false)) {
-                    fused.assert_approx_eq::<f64>(&composed, tolerance);
-                }
+                assert_runs_agree(run(true), run(false), dtype);
             }
+        }
+    }
+
+    /// Each tensor of the fused run against the composed run's, to `dtype`'s tolerance.
+    fn assert_runs_agree(fused: Vec<TensorData>, composed: Vec<TensorData>, dtype: FloatDType) {
+        let tolerance = match dtype {
+            FloatDType::F64 => Tolerance::absolute(1e-12).set_relative(1e-12),
+            _ => Tolerance::absolute(1e-5).set_relative(1e-5),
+        };
+        assert_eq!(fused.len(), composed.len());
+        for (fused, composed) in fused.into_iter().zip(composed) {
+            fused.assert_approx_eq::<f64>(&composed, tolerance);
         }
     }
 
@@ -1016,17 +1022,29 @@ mod tests {
     }
 
     /// Mixtures chained as AttnRes's and MUDD's are (a state read by several mixtures, a
-    /// mixture's output read by a later one, a state read by an add as well), so that a
-    /// backward finds gradients so far that an earlier backward left (its own buffer, which it
-    /// updates in place) and gradients it shares with another parent (which it only reads):
-    /// the values and every gradient equal the composed form's.
+    /// mixture's output read by a later one, a state read by an add as well, one state twice in
+    /// a mixture), so that a backward finds gradients so far that an earlier backward left (its
+    /// own buffer, which it updates in place) and gradients it shares with another parent
+    /// (which it only reads): the values and every gradient equal the composed form's.
     fn chained_mixtures_equal_composed(device: &Device, dtype: FloatDType) {
         let normal = Distribution::Normal(0.0, 1.0);
-        let random = |last: usize| Tensor::<3>::random([2, 9, last], normal, device).cast(dtype);
-        let leaves: Vec<Tensor<3>> = (0..5).map(|_| random(20)).collect();
-        let weights: Vec<Tensor<3>> = [3, 5, 4].into_iter().map(random).collect();
-        let probes: Vec<Tensor<3>> = (0..2).map(|_| random(20)).collect();
+        let random = |last: usize| {
+            Tensor::<3>::random([2, 9, last], normal, device)
+                .cast(dtype)
+                .into_data()
+        };
+        let leaves: Vec<TensorData> = (0..5).map(|_| random(20)).collect();
+        let weights: Vec<TensorData> = [3, 5, 4].into_iter().map(random).collect();
+        let probes: Vec<TensorData> = (0..2).map(|_| random(20)).collect();
         let run = |fused: bool| {
+            // Each run's tensors are its own.
+            let tensor =
+                |data: &TensorData| Tensor::<3>::from_data(data.clone(), device).cast(dtype);
+            let leaves: Vec<Tensor<3>> = leaves.iter().map(|l| tensor(l).require_grad()).collect();
+            let weights: Vec<Tensor<3>> =
+                weights.iter().map(|w| tensor(w).require_grad()).collect();
+            let probes: Vec<Tensor<3>> = probes.iter().map(tensor).collect();
+            let x: Vec<Tensor<3>> = leaves.iter().map(|leaf| leaf.clone() * 1.5).collect();
             let mix = |weights: &Tensor<3>, states: Vec<Tensor<3>>| {
                 if fused {
                     super::token_mix(weights.clone(), states)
@@ -1034,25 +1052,12 @@ mod tests {
                     super::composed(weights.clone(), states)
                 }
             };
-            let leaves: Vec<Tensor<3>> = leaves.iter().map(|l| l.clone().require_grad()).collect();
-            let weights: Vec<Tensor<3>> =
-                weights.iter().map(|w| w.clone().require_grad()).collect();
-            let x: Vec<Tensor<3>> = leaves.iter().map(|l| l.clone() * 1.5).collect();
-            let first = mix(&weights[0], vec![x[0].clone(), x[1].clone(), x[2].clone()]);
-            let second = mix(
-                &weights[1],
-                vec![
-                    x[0].clone(),
-                    x[1].clone(),
-                    x[2].clone(),
-                    x[3].clone(),
-                    first.clone(),
-                ],
-            );
-            let third = mix(
-                &weights[2],
-                vec![x[1].clone(), second.clone(), x[4].clone(), x[0].clone()],
-            ) + x[1].clone();
+            let pick = |picked: &[usize]| picked.iter().map(|&k| x[k].clone()).collect();
+            let first = mix(&weights[0], pick(&[0, 1, 2]));
+            let mut states: Vec<Tensor<3>> = pick(&[0, 1, 2, 2]);
+            states.push(first.clone());
+            let second = mix(&weights[1], states);
+            let third = mix(&weights[2], pick(&[1, 3, 4, 0])) + x[1].clone();
             let loss = (third.clone() * probes[0].clone()).sum()
                 + (second * probes[1].clone()).sum()
                 + first.powi_scalar(2).sum();
@@ -1062,13 +1067,7 @@ mod tests {
             out.extend(weights.iter().map(|w| w.grad(&grads).unwrap().into_data()));
             out
         };
-        let tolerance = match dtype {
-            FloatDType::F64 => Tolerance::absolute(1e-12).set_relative(1e-12),
-            _ => Tolerance::absolute(1e-5).set_relative(1e-5),
-        };
-        for (fused, composed) in run(true).into_iter().zip(run(false)) {
-            fused.assert_approx_eq::<f64>(&composed, tolerance);
-        }
+        assert_runs_agree(run(true), run(false), dtype);
     }
 
     #[cfg(feature = "flex")]

@@ -103,13 +103,26 @@ def run_interval(medians):
 def window_means(medians, windows):
     """The mean of each window's runs' medians, in the order the windows first appear.
 
-    >>> window_means([1.0, 1.2, 2.0, 3.0, 3.2], ["A", "A", "B", "C", "C"])
-    [1.1, 2.0, 3.1]
+    >>> window_means([1.0, 1.5, 2.0, 3.0, 3.5], ["A", "A", "B", "C", "C"])
+    [1.25, 2.0, 3.25]
     """
     grouped = defaultdict(list)
     for median, window in zip(medians, windows):
         grouped[window].append(median)
-    return [round(statistics.fmean(values), 12) for values in grouped.values()]
+    return [statistics.fmean(values) for values in grouped.values()]
+
+
+def interval_text(interval):
+    """`mean× [lower–upper×]` of `run_interval`'s answer, or a dash for none.
+
+    >>> interval_text((1.1, 1.05, 1.15))
+    '1.100× [1.050–1.150×]'
+    >>> interval_text(None)
+    '—'
+    """
+    if interval is None:
+        return "—"
+    return "{:.3f}× [{:.3f}–{:.3f}×]".format(*interval)
 
 
 def verdict(target, medians, pooled_interval, rule="runs"):
@@ -205,18 +218,14 @@ def main(argv):
         lower, upper = median_interval(values)
         middle = statistics.median(values)
         medians = run_medians[(workload, variant)]
-        interval = run_interval(medians)
-        over_runs = "—"
-        if interval is not None:
-            over_runs = "{:.3f}× [{:.3f}–{:.3f}×]".format(*interval)
+        over_runs = interval_text(run_interval(medians))
         replicates = medians
         by_window = ""
         if windowed:
             replicates = window_means(medians, run_windows[(workload, variant)])
-            over_windows = run_interval(replicates)
             by_window = " {} | {} |".format(
                 ", ".join(f"{m:.3f}" for m in replicates),
-                "—" if over_windows is None else "{:.3f}× [{:.3f}–{:.3f}×]".format(*over_windows),
+                interval_text(run_interval(replicates)),
             )
         said = ""
         if variant in targets and workload.startswith("stack12"):

@@ -609,7 +609,7 @@ mod flex {
                 Some(sofar) if owned_whole::<E>(&sofar, len) => Self::InPlace(sofar),
                 sofar => Self::Fresh {
                     sofar: sofar.map(|tensor| {
-                        if tensor.layout().is_contiguous() && tensor.layout().start_offset() == 0 {
+                        if row_major_from_start(&tensor) {
                             tensor
                         } else {
                             tensor.to_contiguous()
@@ -665,10 +665,14 @@ mod flex {
     fn owned_whole<E: Scalar>(tensor: &FlexTensor, len: usize) -> bool {
         tensor.is_unique()
             && tensor.dtype() == E::dtype()
-            && tensor.layout().is_contiguous()
-            && tensor.layout().start_offset() == 0
+            && row_major_from_start(tensor)
             && tensor.layout().num_elements() == len
             && tensor.bytes().len() == len * std::mem::size_of::<E>()
+    }
+
+    /// Whether `tensor`'s elements lie in row-major order from its buffer's first byte.
+    fn row_major_from_start(tensor: &FlexTensor) -> bool {
+        tensor.layout().is_contiguous() && tensor.layout().start_offset() == 0
     }
 
     /// One parallel task of the backward pass: its rows of every target (with the state's

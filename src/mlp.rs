@@ -96,8 +96,18 @@ impl<const D: usize> Block<D> for MlpBlock {
     type Context = ();
 
     fn branch(&self, input: Tensor<D>, _context: &()) -> Tensor<D> {
+        // Every op acts on the last axis, so the leading axes fold into rows: the products are
+        // then one `[rows, d] x [d, h]` each, whose weight gradient is one product too. Left
+        // batched, burn's matmul backward writes a `[batch, d, h]` gradient per product and
+        // sums it (8 MiB a product at `[8, 128, 256]`), and on glibc those short-lived blocks
+        // make the heap shrink and grow again within a step.
+        let dims = input.dims();
+        let rows = dims[..D - 1].iter().product::<usize>();
+        let input = input.reshape([rows, dims[D - 1]]);
         let hidden = gelu(self.expand.forward(self.norm.forward(input)));
-        self.project.forward(self.dropout.forward(hidden))
+        self.project
+            .forward(self.dropout.forward(hidden))
+            .reshape(dims)
     }
 
     fn width(&self) -> Option<usize> {
@@ -131,6 +141,36 @@ mod tests {
         assert_eq!(depths, vec![1, 2, 3]);
         let x = Tensor::<2>::random([4, 8], Distribution::Default, &device);
         assert_eq!(blocks[2].branch(x, &()).dims(), [4, 8]);
+    }
+
+    #[test]
+    fn leading_axes_are_rows_of_one_product() {
+        // The branch folds `[B, T, d]` into `[B T, d]` rows: each batch's output, and the
+        // weights' gradient (the sum over batches), must be those of the batch on its own.
+        let device = Device::flex().autodiff();
+        let block = MlpBlockConfig::new(8, 16).init(1, &device).unwrap();
+        let input = crate::test_util::fixed_normal([3, 4, 8], 1.0, 7, &device);
+        let output = block.branch(input.clone(), &());
+        let loss = |output: Tensor<3>| (output.clone() * output).sum();
+        let gradients = loss(output.clone()).backward();
+        let expand_gradient = block.expand.weight.grad(&gradients).unwrap();
+
+        let mut expand_gradient_by_batch: Option<Tensor<2>> = None;
+        for batch in 0..3 {
+            let rows = input.clone().slice(batch..batch + 1).reshape([4, 8]);
+            let batch_output = block.branch(rows, &());
+            crate::test_util::assert_close(
+                batch_output.clone(),
+                output.clone().slice(batch..batch + 1).reshape([4, 8]),
+            );
+            let batch_gradients = loss(batch_output.unsqueeze()).backward();
+            let batch_gradient = block.expand.weight.grad(&batch_gradients).unwrap();
+            expand_gradient_by_batch = Some(match expand_gradient_by_batch {
+                Some(sum) => sum + batch_gradient,
+                None => batch_gradient,
+            });
+        }
+        crate::test_util::assert_close(expand_gradient, expand_gradient_by_batch.unwrap());
     }
 
     #[test]

@@ -80,6 +80,8 @@ impl BlockNorm {
 /// see [`gelu`](crate::gelu)).
 ///
 /// A residual branch: it does not add `x` back; the [`Stack`](crate::Stack)'s connectivity does.
+/// Every op acts on the last axis, so an input `[..., d]` runs as the rows of one `[rows, d]`
+/// matrix: each product, and its weights' gradient, is one matrix product.
 #[derive(Module, Debug)]
 pub struct MlpBlock {
     /// LayerNorm or DepthLN.

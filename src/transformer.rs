@@ -457,9 +457,16 @@ fn attention(layer: &TransformerEncoderLayer, input: MhaInput, masks: &EncoderMa
     layer.dropout.forward(layer.mha.forward(query).context)
 }
 
-/// `Dropout(FFN(input))`.
+/// `Dropout(FFN(input))`, on the tokens as rows of one `[B T, d]` matrix: the feed-forward acts
+/// on the last axis alone, and burn's `Linear` on `[B, T, d]` would write a `[B, d, d_ff]`
+/// weight gradient per product and sum it (see [`MlpBlock`](crate::MlpBlock)).
 fn feed_forward(layer: &TransformerEncoderLayer, input: Tensor<3>) -> Tensor<3> {
-    layer.dropout.forward(layer.pwff.forward(input))
+    let [batch, length, width] = input.dims();
+    let rows = input.reshape([batch * length, width]);
+    layer
+        .dropout
+        .forward(layer.pwff.forward(rows))
+        .reshape([batch, length, width])
 }
 
 /// Float tensors a record of `module` holds.

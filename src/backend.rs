@@ -251,6 +251,17 @@ pub(crate) fn layer_norm<const D: usize>(norm: &LayerNorm, input: Tensor<D>) -> 
     }
 }
 
+/// Whether ops over the last axis of `[..., d]` should run on the rows of one `[rows, d]`
+/// matrix. Burn's `Linear` keeps a batched product where each batch's rows fill its tiles, and
+/// its backward then writes a `[batch, d, h]` weights' gradient and sums it over the batch:
+/// folding the rows saves that on Flex, NdArray and LibTorch (the residual's train step 16%
+/// faster on Flex, BENCHMARKS.md). Not on CubeCL, where the fusion engine fuses the batched
+/// form's bias and residual adds into its kernels and the reshapes around a folded block split
+/// them off again (three more kernels a block on lavapipe).
+pub(crate) fn folds_rows(device: &Device) -> bool {
+    !is_cube(device)
+}
+
 /// Whether `device` has native FFT kernels: Flex's and CubeCL's own, PyTorch's on LibTorch.
 pub(crate) fn has_native_fft(device: &Device) -> bool {
     is_flex(device) || is_cube(device) || is_libtorch(device)

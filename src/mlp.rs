@@ -80,8 +80,8 @@ impl BlockNorm {
 /// see [`gelu`](crate::gelu)).
 ///
 /// A residual branch: it does not add `x` back; the [`Stack`](crate::Stack)'s connectivity does.
-/// Every op acts on the last axis, so an input `[..., d]` runs as the rows of one `[rows, d]`
-/// matrix: each product, and its weights' gradient, is one matrix product.
+/// Every op acts on the last axis, so on the CPU backends an input `[..., d]` runs as the rows of
+/// one `[rows, d]` matrix: each product, and its weights' gradient, is one matrix product.
 #[derive(Module, Debug)]
 pub struct MlpBlock {
     /// LayerNorm or DepthLN.
@@ -94,10 +94,21 @@ pub struct MlpBlock {
     pub project: Linear,
 }
 
+impl MlpBlock {
+    /// The branch on `input` as it comes: every op over its last axis.
+    fn unfolded_branch<const D: usize>(&self, input: Tensor<D>) -> Tensor<D> {
+        let hidden = gelu(self.expand.forward(self.norm.forward(input)));
+        self.project.forward(self.dropout.forward(hidden))
+    }
+}
+
 impl<const D: usize> Block<D> for MlpBlock {
     type Context = ();
 
     fn branch(&self, input: Tensor<D>, _context: &()) -> Tensor<D> {
+        if !crate::backend::folds_rows(&input.device()) {
+            return self.unfolded_branch(input);
+        }
         // Every op acts on the last axis, so the leading axes fold into rows: the products are
         // then one `[rows, d] x [d, h]` each, whose weight gradient is one product too. Left
         // batched, burn's matmul backward writes a `[batch, d, h]` gradient per product and
@@ -105,11 +116,7 @@ impl<const D: usize> Block<D> for MlpBlock {
         // make the heap shrink and grow again within a step.
         let dims = input.dims();
         let rows = dims[..D - 1].iter().product::<usize>();
-        let input = input.reshape([rows, dims[D - 1]]);
-        let hidden = gelu(self.expand.forward(self.norm.forward(input)));
-        self.project
-            .forward(self.dropout.forward(hidden))
-            .reshape(dims)
+        self.unfolded_branch(input.reshape([rows, dims[D - 1]])).reshape(dims)
     }
 
     fn width(&self) -> Option<usize> {

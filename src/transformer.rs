@@ -457,10 +457,13 @@ fn attention(layer: &TransformerEncoderLayer, input: MhaInput, masks: &EncoderMa
     layer.dropout.forward(layer.mha.forward(query).context)
 }
 
-/// `Dropout(FFN(input))`, on the tokens as rows of one `[B T, d]` matrix: the feed-forward acts
-/// on the last axis alone, and burn's `Linear` on `[B, T, d]` would write a `[B, d, d_ff]`
-/// weight gradient per product and sum it (see [`MlpBlock`](crate::MlpBlock)).
+/// `Dropout(FFN(input))`, on the CPU backends on the tokens as rows of one `[B T, d]` matrix: the
+/// feed-forward acts on the last axis alone, and burn's `Linear` on `[B, T, d]` would write a
+/// `[B, d, d_ff]` weight gradient per product and sum it (see `backend::folds_rows`).
 fn feed_forward(layer: &TransformerEncoderLayer, input: Tensor<3>) -> Tensor<3> {
+    if !crate::backend::folds_rows(&input.device()) {
+        return layer.dropout.forward(layer.pwff.forward(input));
+    }
     let [batch, length, width] = input.dims();
     let rows = input.reshape([batch * length, width]);
     layer

@@ -161,13 +161,15 @@ impl<C: StreamConnectivity<3>> CharLm<C> {
 
     /// Mean cross-entropy of next-character predictions from a readout.
     fn loss(&self, readout: Tensor<3>, targets: Tensor<2, Int>) -> Tensor<1> {
-        let [batch, length, width] = readout.dims();
-        // The tokens as rows of one matrix: one product for the head and its weights' gradient.
-        let rows = readout.reshape([batch * length, width]);
-        let logits = self.head.forward(self.norm.forward(rows));
+        let [batch, length, _] = readout.dims();
+        let logits = self.head.forward(self.norm.forward(readout));
+        let vocabulary = logits.dims()[2];
         CrossEntropyLossConfig::new()
             .init(&logits.device())
-            .forward(logits, targets.reshape([batch * length]))
+            .forward(
+                logits.reshape([batch * length, vocabulary]),
+                targets.reshape([batch * length]),
+            )
     }
 
     fn forward_loss(&self, tokens: Tensor<2, Int>, targets: Tensor<2, Int>) -> Tensor<1> {

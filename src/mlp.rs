@@ -116,7 +116,8 @@ impl<const D: usize> Block<D> for MlpBlock {
         // make the heap shrink and grow again within a step.
         let dims = input.dims();
         let rows = dims[..D - 1].iter().product::<usize>();
-        self.unfolded_branch(input.reshape([rows, dims[D - 1]])).reshape(dims)
+        self.unfolded_branch(input.reshape([rows, dims[D - 1]]))
+            .reshape(dims)
     }
 
     fn width(&self) -> Option<usize> {

@@ -262,6 +262,20 @@ pub(crate) fn folds_rows(device: &Device) -> bool {
     !is_cube(device)
 }
 
+/// `f` on the rows of `input` as one `[rows, d]` matrix, the leading axes restored around its
+/// `[rows, e]` result: `[..., d] -> [..., e]`. For ops that act on the last axis alone.
+pub(crate) fn on_rows<const D: usize>(
+    input: Tensor<D>,
+    f: impl FnOnce(Tensor<2>) -> Tensor<2>,
+) -> Tensor<D> {
+    let mut dims = input.dims();
+    let width = dims[D - 1];
+    let rows = dims[..D - 1].iter().product::<usize>();
+    let output = f(input.reshape([rows, width]));
+    dims[D - 1] = output.dims()[1];
+    output.reshape(dims)
+}
+
 /// Whether `device` has native FFT kernels: Flex's and CubeCL's own, PyTorch's on LibTorch.
 pub(crate) fn has_native_fft(device: &Device) -> bool {
     is_flex(device) || is_cube(device) || is_libtorch(device)

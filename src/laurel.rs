@@ -277,15 +277,9 @@ impl LaurelLayer {
 
 /// `v A B` over the last axis of `v`.
 fn low_rank<const D: usize>(value: &Tensor<D>, down: &Tensor<2>, up: &Tensor<2>) -> Tensor<D> {
-    let dims = value.dims();
-    let width = dims[D - 1];
-    let tokens = value.shape().num_elements() / width.max(1);
-    value
-        .clone()
-        .reshape([tokens, width])
-        .matmul(down.clone())
-        .matmul(up.clone())
-        .reshape(dims)
+    crate::backend::on_rows(value.clone(), |rows| {
+        rows.matmul(down.clone()).matmul(up.clone())
+    })
 }
 
 /// A `[d]` or `[1]` vector broadcast against rank-`D` tensors.

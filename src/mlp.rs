@@ -114,10 +114,7 @@ impl<const D: usize> Block<D> for MlpBlock {
         // batched, burn's matmul backward writes a `[batch, d, h]` gradient per product and
         // sums it (8 MiB a product at `[8, 128, 256]`), and on glibc those short-lived blocks
         // make the heap shrink and grow again within a step.
-        let dims = input.dims();
-        let rows = dims[..D - 1].iter().product::<usize>();
-        self.unfolded_branch(input.reshape([rows, dims[D - 1]]))
-            .reshape(dims)
+        crate::backend::on_rows(input, |rows| self.unfolded_branch(rows))
     }
 
     fn width(&self) -> Option<usize> {

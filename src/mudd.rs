@@ -228,16 +228,12 @@ impl Mudd {
 
     /// `GELU(rms(X) W1) W2 + a`, `[..., C·n]`.
     fn weights<const D: usize>(&self, layer: &MuddLayer, newest: &Tensor<D>) -> Tensor<D> {
-        let dims = newest.dims();
-        let tokens = newest.shape().num_elements() / self.width.max(1);
         let [ways, states] = layer.shape();
-        let rows = newest.clone().reshape([tokens, self.width]);
-        let hidden = rms_projection(rows, layer.w1.val(), self.epsilon);
-        let mut shape = dims;
-        shape[D - 1] = ways * states;
-        (gelu(hidden).matmul(layer.w2.val())
-            + layer.static_weights.val().reshape([1, ways * states]))
-        .reshape(shape)
+        crate::backend::on_rows(newest.clone(), |rows| {
+            let hidden = rms_projection(rows, layer.w1.val(), self.epsilon);
+            gelu(hidden).matmul(layer.w2.val())
+                + layer.static_weights.val().reshape([1, ways * states])
+        })
     }
 }
 

@@ -464,12 +464,9 @@ fn feed_forward(layer: &TransformerEncoderLayer, input: Tensor<3>) -> Tensor<3> 
     if !crate::backend::folds_rows(&input.device()) {
         return layer.dropout.forward(layer.pwff.forward(input));
     }
-    let [batch, length, width] = input.dims();
-    let rows = input.reshape([batch * length, width]);
-    layer
-        .dropout
-        .forward(layer.pwff.forward(rows))
-        .reshape([batch, length, width])
+    crate::backend::on_rows(input, |rows| {
+        layer.dropout.forward(layer.pwff.forward(rows))
+    })
 }
 
 /// Float tensors a record of `module` holds.

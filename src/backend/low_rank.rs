@@ -10,10 +10,14 @@
 //! ```
 //!
 //! Composed from tensor ops the forward writes `t B` and two sums, and the backward writes
-//! `(g Bᵀ) Aᵀ` and adds it to `g`, under autodiff nodes of their own. Here the forward is a
-//! product into `t`, one pass for `s + h` and an accumulating product into it; the backward is
-//! a copy of `g` with an accumulating product, and three small products. `t` (`r` values per
-//! row) is kept for the backward; `h` is not. Flex only (f32 and f64, every operand alike).
+//! `(g Bᵀ) Aᵀ` and adds it to `g`, under autodiff nodes of their own. Here both run on bands of
+//! rows in parallel, each band through every step while it is in cache: forward a product
+//! into the band's `t`, one pass for `s + h` and an accumulating product into it; backward the
+//! band's `u = g Bᵀ`, a copy of `g` with `u Aᵀ` accumulated into it, and the band's shares of
+//! `∂A` and `∂B`, summed over the bands after. At LAuReL's sizes (`r = 16`, `d = 256`) a single
+//! product over all rows is too small for gemm to split across threads, and ran on one core.
+//! `t` (`r` values per row) is kept for the backward; `h` is not. Flex only (f32 and f64,
+//! every operand alike).
 
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
@@ -29,6 +33,7 @@ use rayon::prelude::*;
 use super::autodiff::{constant, tracked_op_keeping};
 use super::flex_kernels::{
     Scalar, Strided, dims, new_product, product, tensor, unwritten, values, write_axpy, written,
+    zeroed,
 };
 
 /// Elements per parallel task of the sum.
@@ -83,7 +88,9 @@ impl LowRankResidual {
         // The pass's first tensor chose the op; a later one (a tail that casts) may not take it.
         let dtype = stream.dtype();
         let takes = matches!(dtype, DType::F32 | DType::F64)
-            && [branch.dtype(), down.dtype(), up.dtype()] == [dtype; 3];
+            && [branch.dtype(), down.dtype(), up.dtype()] == [dtype; 3]
+            && width > 0
+            && down.dims()[1] > 0;
         if !takes {
             return (stream.clone() + branch + stream.matmul(down).matmul(up)).reshape(dims);
         }
@@ -97,6 +104,11 @@ impl LowRankResidual {
     }
 }
 
+/// Rows per parallel task: about [`ELEMENTS_PER_TASK`] elements of `[R, d]`.
+fn rows_per_task(width: usize) -> usize {
+    (ELEMENTS_PER_TASK / width.max(1)).max(1)
+}
+
 fn forward<E: Scalar>(
     stream: &FlexTensor,
     branch: &FlexTensor,
@@ -106,32 +118,46 @@ fn forward<E: Scalar>(
     let [rows, width] = dims::<2>(stream);
     let [down_rows, rank] = dims::<2>(down);
     assert!(
-        dims::<2>(branch) == [rows, width] && down_rows == width && dims::<2>(up) == [rank, width],
+        dims::<2>(branch) == [rows, width]
+            && down_rows == width
+            && dims::<2>(up) == [rank, width]
+            && width > 0
+            && rank > 0,
         "low-rank residual: shapes disagree"
     );
     let (s, h) = (values::<E>(stream), values::<E>(branch));
     let (a, b) = (values::<E>(down), values::<E>(up));
-    let projected = new_product(
-        (rows, rank, width),
-        Strided::row_major(&s, width),
-        Strided::row_major(&a, rank),
-    );
-    let mut sum = unwritten::<E>(rows * width);
-    sum.par_chunks_mut(ELEMENTS_PER_TASK)
-        .zip(s.par_chunks(ELEMENTS_PER_TASK))
-        .zip(h.par_chunks(ELEMENTS_PER_TASK))
-        .for_each(|((out, s), h)| {
-            write_axpy(out, Some(s), E::one(), h);
+    let task = rows_per_task(width);
+    let mut projected = unwritten::<E>(rows * rank);
+    let mut output = unwritten::<E>(rows * width);
+    // Each task takes a band of rows through all three steps while the band is in its cache;
+    // the bands run in parallel (one product over all rows is too small for gemm to split).
+    output
+        .par_chunks_mut(task * width)
+        .zip(projected.par_chunks_mut(task * rank))
+        .zip(s.par_chunks(task * width))
+        .zip(h.par_chunks(task * width))
+        .for_each(|(((out, t), s), h)| {
+            let band = s.len() / width;
+            let t = zeroed(t);
+            product(
+                t,
+                false,
+                (band, rank, width),
+                Strided::row_major(s, width),
+                Strided::row_major(&a, rank),
+            );
+            let out = write_axpy(out, Some(s), E::one(), h);
+            product(
+                out,
+                true,
+                (band, width, rank),
+                Strided::row_major(t, rank),
+                Strided::row_major(&b, width),
+            );
         });
-    // SAFETY: the chunks partition the buffer and `write_axpy` wrote each one whole.
-    let mut output = unsafe { written(sum) };
-    product(
-        &mut output,
-        true,
-        (rows, width, rank),
-        Strided::row_major(&projected, rank),
-        Strided::row_major(&b, width),
-    );
+    // SAFETY: the bands partition both buffers, and each task wrote its bands whole.
+    let (output, projected) = unsafe { (written(output), written(projected)) };
     (
         tensor(output, [rows, width]),
         tensor(projected, [rows, rank]),
@@ -149,30 +175,54 @@ fn backward<E: Scalar>(
     let [_, rank] = dims::<2>(down);
     let (s, a, b) = (values::<E>(stream), values::<E>(down), values::<E>(up));
     let (t, g) = (values::<E>(projected), values::<E>(grad));
-    // u = g Bᵀ, the gradient of t.
-    let u = new_product(
-        (rows, rank, width),
-        Strided::row_major(&g, width),
-        Strided::transposed(&b, width),
-    );
-    let mut grad_stream = g.to_vec();
-    product(
-        &mut grad_stream,
-        true,
-        (rows, width, rank),
-        Strided::row_major(&u, rank),
-        Strided::transposed(&a, rank),
-    );
-    let grad_down = new_product(
-        (width, rank, rows),
-        Strided::transposed(&s, width),
-        Strided::row_major(&u, rank),
-    );
-    let grad_up = new_product(
-        (rank, width, rows),
-        Strided::transposed(&t, rank),
-        Strided::row_major(&g, width),
-    );
+    let task = rows_per_task(width);
+    let zeros = || (vec![E::zero(); width * rank], vec![E::zero(); rank * width]);
+    let mut grad_stream = unwritten::<E>(rows * width);
+    // Per band of rows: `u = g Bᵀ` (the gradient of `t`), `∂s = g + u Aᵀ`, and the band's share
+    // of `∂A = sᵀ u` and `∂B = tᵀ g`, summed over the bands after.
+    let (grad_down, grad_up) = grad_stream
+        .par_chunks_mut(task * width)
+        .zip(g.par_chunks(task * width))
+        .zip(s.par_chunks(task * width))
+        .zip(t.par_chunks(task * rank))
+        .fold(zeros, |(mut grad_down, mut grad_up), (((out, g), s), t)| {
+            let band = g.len() / width;
+            let u = new_product(
+                (band, rank, width),
+                Strided::row_major(g, width),
+                Strided::transposed(&b, width),
+            );
+            let out = write_axpy(out, None, E::one(), g);
+            product(
+                out,
+                true,
+                (band, width, rank),
+                Strided::row_major(&u, rank),
+                Strided::transposed(&a, rank),
+            );
+            product(
+                &mut grad_down,
+                true,
+                (width, rank, band),
+                Strided::transposed(s, width),
+                Strided::row_major(&u, rank),
+            );
+            product(
+                &mut grad_up,
+                true,
+                (rank, width, band),
+                Strided::transposed(t, rank),
+                Strided::row_major(g, width),
+            );
+            (grad_down, grad_up)
+        })
+        .reduce(zeros, |(mut down, mut up), (other_down, other_up)| {
+            E::axpy(&mut down, E::one(), &other_down);
+            E::axpy(&mut up, E::one(), &other_up);
+            (down, up)
+        });
+    // SAFETY: the bands partition the buffer, and each task wrote its band whole.
+    let grad_stream = unsafe { written(grad_stream) };
     (
         tensor(grad_stream, [rows, width]),
         tensor(grad_down, [width, rank]),

@@ -176,16 +176,16 @@ fn backward<E: Scalar>(
     let (s, a, b) = (values::<E>(stream), values::<E>(down), values::<E>(up));
     let (t, g) = (values::<E>(projected), values::<E>(grad));
     let task = rows_per_task(width);
-    let zeros = || (vec![E::zero(); width * rank], vec![E::zero(); rank * width]);
     let mut grad_stream = unwritten::<E>(rows * width);
-    // Per band of rows: `u = g Bᵀ` (the gradient of `t`), `∂s = g + u Aᵀ`, and the band's share
-    // of `∂A = sᵀ u` and `∂B = tᵀ g`, summed over the bands after.
-    let (grad_down, grad_up) = grad_stream
+    // Per band of rows: `u = g Bᵀ` (the gradient of `t`), `∂s = g + u Aᵀ`, and the band's part
+    // of `∂A = sᵀ u` and `∂B = tᵀ g`; the parts summed in the bands' order after, the same
+    // sum on every run.
+    let parts: Vec<(Vec<E>, Vec<E>)> = grad_stream
         .par_chunks_mut(task * width)
         .zip(g.par_chunks(task * width))
         .zip(s.par_chunks(task * width))
         .zip(t.par_chunks(task * rank))
-        .fold(zeros, |(mut grad_down, mut grad_up), (((out, g), s), t)| {
+        .map(|(((out, g), s), t)| {
             let band = g.len() / width;
             let u = new_product(
                 (band, rank, width),
@@ -200,27 +200,25 @@ fn backward<E: Scalar>(
                 Strided::row_major(&u, rank),
                 Strided::transposed(&a, rank),
             );
-            product(
-                &mut grad_down,
-                true,
+            let grad_down = new_product(
                 (width, rank, band),
                 Strided::transposed(s, width),
                 Strided::row_major(&u, rank),
             );
-            product(
-                &mut grad_up,
-                true,
+            let grad_up = new_product(
                 (rank, width, band),
                 Strided::transposed(t, rank),
                 Strided::row_major(g, width),
             );
             (grad_down, grad_up)
         })
-        .reduce(zeros, |(mut down, mut up), (other_down, other_up)| {
-            E::axpy(&mut down, E::one(), &other_down);
-            E::axpy(&mut up, E::one(), &other_up);
-            (down, up)
-        });
+        .collect();
+    let (mut grad_down, mut grad_up) =
+        (vec![E::zero(); width * rank], vec![E::zero(); rank * width]);
+    for (down, up) in &parts {
+        E::axpy(&mut grad_down, E::one(), down);
+        E::axpy(&mut grad_up, E::one(), up);
+    }
     // SAFETY: the bands partition the buffer, and each task wrote its band whole.
     let grad_stream = unsafe { written(grad_stream) };
     (

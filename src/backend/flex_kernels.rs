@@ -288,6 +288,25 @@ pub(crate) fn add_weighted_sum<E: Scalar>(out: &mut [E], terms: &[(E, &[E])]) {
     E::add_weighted_sum(out, terms);
 }
 
+/// `out = Σ_i c_i x_i` into an [`unwritten`] chunk: the first term written, the rest added in
+/// one pass, where zeroing the chunk first would be one more pass over it (zeros without
+/// terms); the chunk as initialised elements. Every `x_i` covers `out`.
+pub(crate) fn write_weighted_sum<'a, E: Scalar>(
+    out: &'a mut [MaybeUninit<E>],
+    terms: &[(E, &[E])],
+) -> &'a mut [E] {
+    match terms.split_first() {
+        Some((&(c, x), rest)) => {
+            let out = write_axpy(out, None, c, x);
+            if !rest.is_empty() {
+                add_weighted_sum(out, rest);
+            }
+            out
+        }
+        None => zeroed(out),
+    }
+}
+
 /// `out_i = ⟨a, x_i⟩` over `a`'s length ([`Scalar::dots`]): `a` read once for all of them.
 /// Every `x_i` covers `a`, and `out` has one entry per `x_i`.
 pub(crate) fn dots<E: Scalar>(a: &[E], xs: &[&[E]], out: &mut [E]) {

@@ -40,7 +40,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use super::autodiff::{constant, tracked_op};
 use super::flex_kernels::{
-    Scalar, add_weighted_sum, dims, dots, tensor, unwritten, values, written, zeroed,
+    Scalar, add_weighted_sum, dims, dots, tensor, unwritten, values, write_weighted_sum, written,
 };
 
 /// Tokens per parallel task: enough work (tens of kB) to amortise the task.
@@ -355,7 +355,6 @@ fn forward<E: Scalar>(
     out.par_chunks_mut(TOKENS_PER_TASK * rows * width)
         .enumerate()
         .for_each(|(task, out)| {
-            let out = zeroed(out);
             let mut sum: Vec<(E, &[E])> = Vec::with_capacity(count + 1);
             for (offset, out) in out.chunks_exact_mut(rows * width).enumerate() {
                 let t = task * TOKENS_PER_TASK + offset;
@@ -369,11 +368,11 @@ fn forward<E: Scalar>(
                     }
                     let units = s.chunks_exact(width).enumerate();
                     sum.extend(units.map(|(u, unit)| (w[r * count + u], unit)));
-                    add_weighted_sum(row, &sum);
+                    write_weighted_sum(row, &sum);
                 }
             }
         });
-    // SAFETY: the tasks' chunks partition `out`, and each was zeroed.
+    // SAFETY: the tasks' chunks partition `out`, and each of their rows was written.
     let out = unsafe { written(out) };
     tensor(out, [tokens, rows, width])
 }
@@ -452,7 +451,6 @@ fn backward<E: Scalar>(
         .enumerate()
         .for_each(
             |(task, (((grad_weights, grad_units), grad_beta), grad_branch))| {
-                let (grad_units, grad_branch) = (zeroed(grad_units), zeroed(grad_branch));
                 let first = task * TOKENS_PER_TASK;
                 let task_tokens = grad_weights.len() / (rows * count);
                 // Scratch: the vectors a row of ∂out is dotted with, the products, and the
@@ -487,7 +485,7 @@ fn backward<E: Scalar>(
                             sum.clear();
                             let g_rows = g.chunks_exact(width).enumerate();
                             sum.extend(g_rows.map(|(r, g_row)| (w[r * count + u], g_row)));
-                            add_weighted_sum(grad_unit, &sum);
+                            write_weighted_sum(grad_unit, &sum);
                         }
                     }
                     // ∂h_f = Σ_{r mod V = f} β_r ∂out_r, view by view.
@@ -498,13 +496,14 @@ fn backward<E: Scalar>(
                             let g_rows = g.chunks_exact(width).enumerate().skip(f).step_by(views);
                             let beta = &beta[dims.beta_of(t)..];
                             sum.extend(g_rows.map(|(r, g_row)| (beta[r], g_row)));
-                            add_weighted_sum(grad_h, &sum);
+                            write_weighted_sum(grad_h, &sum);
                         }
                     }
                 }
             },
         );
-    // SAFETY: the tasks' chunks partition the buffers, and each was zeroed.
+    // SAFETY: the tasks' chunks partition the buffers, and each of their units and views was
+    // written.
     let (grad_units, grad_branch) = unsafe { (written(grad_units), written(grad_branch)) };
     let grad_weights = reduce_tokens(grad_weights, rows * count, dims.weights_per_token, tokens)
         .reshape([if dims.weights_per_token { tokens } else { 1 }, rows, count].into());

@@ -96,6 +96,14 @@ impl Scalar for f32 {
     }
 }
 
+/// Rows of `width` elements per parallel task of an op that works row by row: about 16 K
+/// elements (64 kB of f32), enough work to amortise the task while a band of rows and its
+/// outputs stay in a core's cache.
+pub(crate) fn rows_per_task(width: usize) -> usize {
+    const ELEMENTS_PER_TASK: usize = 16 * 1024;
+    (ELEMENTS_PER_TASK / width.max(1)).max(1)
+}
+
 /// A full-size output buffer left unwritten, for ops whose parallel tasks each zero their own
 /// chunk with [`zeroed`] just before writing it: `vec![0; len]` is one memset of the whole
 /// buffer on one thread before the tasks start (megabytes per op here, then read back from

@@ -32,12 +32,9 @@ use rayon::prelude::*;
 
 use super::autodiff::{constant, tracked_op_keeping};
 use super::flex_kernels::{
-    Scalar, Strided, dims, new_product, product, tensor, unwritten, values, write_axpy, written,
-    zeroed,
+    Scalar, Strided, axpy, dims, new_product, product, rows_per_task, tensor, unwritten, values,
+    write_axpy, written, zeroed,
 };
-
-/// Elements per parallel task of the sum.
-const ELEMENTS_PER_TASK: usize = 16 * 1024;
 
 /// The fused update (see the [module docs](self)).
 #[backend_extension(Flex: cfg(feature = "flex"), Autodiff)]
@@ -102,11 +99,6 @@ impl LowRankResidual {
         );
         Tensor::<2>::from_dispatch(output).reshape(dims)
     }
-}
-
-/// Rows per parallel task: about [`ELEMENTS_PER_TASK`] elements of `[R, d]`.
-fn rows_per_task(width: usize) -> usize {
-    (ELEMENTS_PER_TASK / width.max(1)).max(1)
 }
 
 fn forward<E: Scalar>(
@@ -216,8 +208,8 @@ fn backward<E: Scalar>(
     let (mut grad_down, mut grad_up) =
         (vec![E::zero(); width * rank], vec![E::zero(); rank * width]);
     for (down, up) in &parts {
-        E::axpy(&mut grad_down, E::one(), down);
-        E::axpy(&mut grad_up, E::one(), up);
+        axpy(&mut grad_down, E::one(), down);
+        axpy(&mut grad_up, E::one(), up);
     }
     // SAFETY: the bands partition the buffer, and each task wrote its band whole.
     let grad_stream = unsafe { written(grad_stream) };

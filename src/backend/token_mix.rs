@@ -437,13 +437,10 @@ mod flex {
 
     use super::super::autodiff::constant;
     use super::super::flex_kernels::{
-        Scalar, add_weighted_sum, axpy, dots, tensor, unwritten, values, write_axpy, written,
-        zeroed,
+        Scalar, add_weighted_sum, axpy, dots, rows_per_task, tensor, unwritten, values, write_axpy,
+        written, zeroed,
     };
     use super::MAX_STATES;
-
-    /// Elements of one state per parallel task.
-    const ELEMENTS_PER_TASK: usize = 16 * 1024;
 
     /// The states of one mixture on their way to the op: a backend extension takes a fixed
     /// number of tensors, so each state goes in through [`TokenMixBackend::token_mix_stage`]
@@ -533,11 +530,6 @@ mod flex {
     /// Row `t` of a `[T, width]` tensor's values.
     fn token_row<E>(values: &[E], t: usize, width: usize) -> &[E] {
         &values[t * width..][..width]
-    }
-
-    /// Rows per parallel task for states of `width` elements a row.
-    fn rows_per_task(width: usize) -> usize {
-        (ELEMENTS_PER_TASK / width.max(1)).max(1)
     }
 
     fn forward<E: Scalar>(weights: &FlexTensor, states: &[FlexTensor]) -> FlexTensor {

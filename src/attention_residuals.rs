@@ -39,7 +39,11 @@
 //! fused op each way on Flex); each mixture's weighted sum is one fused op each way on Flex and
 //! a kernel each way per eight sources on the CubeCL backends, and so is the gathering of its
 //! query's column from every source's logits on the CubeCL backends; the softmax over the
-//! sources is one kernel each way there, tensor ops elsewhere.
+//! sources is one kernel each way there, tensor ops elsewhere. On Flex under autodiff a
+//! mixture's backward leaves `(p_{l,i}, ∂h_l)` for each source, and the backward of the
+//! source's logits, which runs after every mixture that read the source (their weights come
+//! from the logits), writes `∂v_i = Σ_l p_{l,i} ∂h_l` with its own term in one pass: each
+//! mixture would otherwise read and write the source's gradient so far.
 //!
 //! # Shapes
 //! - input, block inputs, branches and output: `[..., d]` (any rank, last axis the width `d`)
@@ -63,7 +67,10 @@
 use burn::module::Param;
 use burn::prelude::*;
 
-use crate::backend::{gather_column, last_axis_softmax, rms_projection, token_mix};
+use crate::backend::{
+    UnitsGradient, gather_column, last_axis_softmax, rms_projection_writing, state_gradient,
+    token_mix_leaving,
+};
 use crate::connectivity::{Connectivity, ConnectivityConfig, StreamConnectivity, leading_part};
 use crate::error::{Error, Result, check_depth, check_positive, check_size};
 use crate::matrix::ConnectivityMatrix;
@@ -141,6 +148,10 @@ struct Source<const D: usize> {
     /// is complete, where each block's mixture would otherwise take a product and a sum per
     /// source.
     logits: Tensor<D>,
+    /// Where the fused ops run under autodiff: the slot in which every mixture reading the
+    /// source leaves its term of the source's gradient, for the logits' backward to write the
+    /// whole gradient once (it runs after them: every mixture's weights come from the logits).
+    gradient: Option<UnitsGradient>,
 }
 
 /// The running state of [`AttentionResiduals`].
@@ -194,26 +205,38 @@ impl AttentionResiduals {
         all.transpose()
     }
 
-    /// `k(v) · W` for every query column: `[..., Q]`.
-    fn logits<const D: usize>(&self, value: &Tensor<D>, queries: &Tensor<2>) -> Tensor<D> {
+    /// `k(v) · W` for every query column: `[..., Q]`; its backward writes `v`'s gradient with
+    /// the terms left in `gradient`.
+    fn logits<const D: usize>(
+        &self,
+        value: &Tensor<D>,
+        queries: &Tensor<2>,
+        gradient: Option<&UnitsGradient>,
+    ) -> Tensor<D> {
         let dims = value.dims();
         let width = dims[D - 1];
         let columns = queries.dims()[1];
         let tokens = value.shape().num_elements() / width.max(1);
         let mut shape = dims;
         shape[D - 1] = columns;
-        rms_projection(
+        rms_projection_writing(
             value.clone().reshape([tokens, width]),
             queries.clone(),
             self.epsilon,
+            gradient,
         )
         .reshape(shape)
     }
 
     /// A completed source.
     fn source<const D: usize>(&self, value: Tensor<D>, queries: &Tensor<2>) -> Source<D> {
-        let logits = self.logits(&value, queries);
-        Source { value, logits }
+        let gradient = state_gradient(&value);
+        let logits = self.logits(&value, queries, gradient.as_ref());
+        Source {
+            value,
+            logits,
+            gradient,
+        }
     }
 
     /// `Σ_s softmax_s(w_c · k(s)) s` over the completed sources and the partial sum, with the
@@ -233,11 +256,18 @@ impl AttentionResiduals {
             sources.iter().map(|source| source.logits.clone()).collect(),
             column,
         );
+        let mut gradients: Vec<Option<UnitsGradient>> = sources
+            .iter()
+            .map(|source| source.gradient.clone())
+            .collect();
         let logits = match partial {
             Some(partial) => {
                 // Read by this mixture only: its logit for this query alone.
                 let query = queries.clone().narrow(1, column, 1);
-                Tensor::cat(vec![gathered, self.logits(partial, &query)], D - 1)
+                let gradient = state_gradient(partial);
+                let logit = self.logits(partial, &query, gradient.as_ref());
+                gradients.push(gradient);
+                Tensor::cat(vec![gathered, logit], D - 1)
             }
             None => gathered,
         };
@@ -247,7 +277,7 @@ impl AttentionResiduals {
             .map(|source| source.value.clone())
             .chain(partial.cloned())
             .collect();
-        token_mix(weights, values)
+        token_mix_leaving(weights, values, gradients)
     }
 
     /// Takes in block `block`'s (0-based) contribution `value`, then prepares the next input.

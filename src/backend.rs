@@ -62,13 +62,15 @@ pub(crate) mod sinkhorn;
 #[cfg(feature = "flex")]
 pub(crate) mod stream_mix;
 mod token_mix;
-pub(crate) use token_mix::token_mix;
+pub(crate) use token_mix::{token_mix, token_mix_leaving};
 #[cfg(feature = "cube-kernels")]
 mod unit_kernels;
 #[cfg(feature = "flex")]
 pub(crate) use stream_mix::UnitsGradient;
 mod units;
-pub(crate) use units::{Gains, LayerOps, MatrixRows, RowScale, UnitOps, rms_projection};
+pub(crate) use units::{
+    Gains, LayerOps, MatrixRows, RowScale, UnitOps, rms_projection, rms_projection_writing,
+};
 
 /// Bytes that rows of the crate's packed tables are a multiple of: a multiple of every CubeCL
 /// runtime's buffer offset alignment (256 on wgpu, 512 on CUDA), so that a row is a view.
@@ -187,6 +189,19 @@ impl History {
     ) -> Tensor<D> {
         match *self {}
     }
+}
+
+/// The gradient slot of a state read by one [`rms_projection_writing`] and by token mixes
+/// ([`token_mix_leaving`]) created after it: where the fused Flex ops run under autodiff, the
+/// mixes leave their terms of the state's gradient in it and the projection's backward writes
+/// the whole gradient in its one pass over the state (see [`UnitsGradient`]); `None` elsewhere.
+pub(crate) fn state_gradient<const D: usize>(state: &Tensor<D>) -> Option<UnitsGradient> {
+    #[cfg(feature = "flex")]
+    if has_fused_flex_ops(state) && state.device().is_autodiff() {
+        return Some(UnitsGradient::default());
+    }
+    let _ = state;
+    None
 }
 
 /// Without Flex there is no fused stream mixing: no value of this type exists.

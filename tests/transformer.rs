@@ -50,10 +50,14 @@ fn plain(encoder: &TransformerEncoder, input: Tensor<3>, masks: &EncoderMasks) -
     )
 }
 
+/// Equal up to f32 rounding: `1e-5` absolute, or relative where entries are large. The crate runs
+/// the feed-forward on folded rows where burn-nn's reference runs it batched, so the products sum
+/// in another order. With random weights, MUDD's dense mixtures reach entries of 3.5–8.7 (six
+/// draws), where the two orders once differed by `1.36e-5`.
 fn assert_close(actual: Tensor<3>, expected: Tensor<3>) {
     actual
         .into_data()
-        .assert_approx_eq::<f32>(&expected.into_data(), Tolerance::absolute(1e-5));
+        .assert_approx_eq::<f32>(&expected.into_data(), Tolerance::rel_abs(1e-5, 1e-5));
 }
 
 fn gates(blocks: usize) -> HacnConfig {

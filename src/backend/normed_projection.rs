@@ -22,7 +22,9 @@
 //! `(s ∂P) Wᵀ` in an accumulating product, so that the units' gradient is written once for all
 //! three ops; `∂W = xᵀ (s ∂P)` is one more product. Onto at most 16 columns (AttnRes's logits)
 //! each way is one pass over the rows instead, every row's norm, products and gradients taken
-//! while it is in cache. Flex only (f32 and f64).
+//! while it is in cache, with the terms the token mixes over the rows left (AttnRes's sources,
+//! see `token_mix_leaving`) added to each row's gradient in the same pass. Flex only (f32 and
+//! f64).
 
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
@@ -223,8 +225,9 @@ fn backward<E: Scalar>(
         values::<E>(projection),
         values::<E>(grad),
     );
-    if takes_one_pass(width, columns) && deferred.is_empty() {
-        return backward_in_one_pass([&x, &w, &p, &g], (width, columns), scale);
+    // One pass also where the rows are whole tokens of the deferred parts (AttnRes's sources).
+    if takes_one_pass(width, columns) && (deferred.is_empty() || deferred.token_len() == width) {
+        return backward_in_one_pass([&x, &w, &p, &g], (width, columns), scale, deferred);
     }
     if width == 0 || columns == 0 {
         // No projection: the units' gradient is what the mixes left.
@@ -304,16 +307,22 @@ fn backward<E: Scalar>(
 
 /// `∂x` and `∂W` of a projection onto at most [`ROW_PASS_COLUMNS`] columns (AttnRes's logits:
 /// one column per query), in one pass over the rows: each row's scale from its norm, its row
-/// of `∂x` written once, as `c_r x_r + Σ_q (s ∂P)[r, q] Wᵀ[q]`, and its `x_r ⊗ (s ∂P)_r` added
-/// to its task's part of `∂Wᵀ`, the parts summed at the end. The general path reads `x` three
-/// times (norms, the `x_r` term, `∂W`'s product) and writes `∂x` three times (zeroed, the `x_r`
-/// term, the accumulating product), and a product this small runs on one thread in gemm.
+/// of `∂x` written once, as `c_r x_r + Σ_q (s ∂P)[r, q] Wᵀ[q]` plus the row's deferred parts
+/// (rows that are whole tokens of them), and its `x_r ⊗ (s ∂P)_r` added to its task's part of
+/// `∂Wᵀ`, the parts summed at the end. The general path reads `x` three times (norms, the `x_r`
+/// term, `∂W`'s product) and writes `∂x` three times (zeroed, the `x_r` term, the accumulating
+/// product), and a product this small runs on one thread in gemm.
 fn backward_in_one_pass<E: Scalar>(
     [x, w, p, g]: [&[E]; 4],
     (width, columns): (usize, usize),
     scale: RowScale,
+    deferred: &DeferredTerms<'_, E>,
 ) -> (FlexTensor, FlexTensor) {
     let count = x.len() / width;
+    assert!(
+        deferred.is_empty() || deferred.token_len() == width,
+        "normed projection: one pass takes deferred parts of one row a token"
+    );
     let transposed = transpose(w, (width, columns));
     let mut grad_rows = unwritten::<E>(count * width);
     // One part of `∂Wᵀ` per task, summed in the tasks' order: the same sum on every run.
@@ -322,15 +331,17 @@ fn backward_in_one_pass<E: Scalar>(
         .zip(x.par_chunks(ROWS_PER_WEIGHT_PART * width))
         .zip(p.par_chunks(ROWS_PER_WEIGHT_PART * columns))
         .zip(g.par_chunks(ROWS_PER_WEIGHT_PART * columns))
-        .map(|(((grad_x, x), p), g)| {
+        .enumerate()
+        .map(|(task, (((grad_x, x), p), g))| {
             let mut part = vec![E::zero(); columns * width];
             let mut scaled = vec![E::zero(); columns];
             let mut terms = Vec::with_capacity(columns);
-            for (((grad_x, x), p), g) in grad_x
+            for (i, (((grad_x, x), p), g)) in grad_x
                 .chunks_exact_mut(width)
                 .zip(x.chunks_exact(width))
                 .zip(p.chunks_exact(columns))
                 .zip(g.chunks_exact(columns))
+                .enumerate()
             {
                 // As the general path: `s ∂P_r`, and `s'/n · (P_r · ∂P_r) / s` for `x_r`.
                 let (s, slope) = scale.of_row(x);
@@ -338,6 +349,7 @@ fn backward_in_one_pass<E: Scalar>(
                 let grad_x = write_axpy(grad_x, None, slope * dot(p, g) / s, x);
                 terms.clear();
                 terms.extend(scaled.iter().copied().zip(transposed.chunks_exact(width)));
+                deferred.push_terms(task * ROWS_PER_WEIGHT_PART + i, 0, &mut terms);
                 add_weighted_sum(grad_x, &terms);
                 for (&scaled, part) in scaled.iter().zip(part.chunks_exact_mut(width)) {
                     axpy(part, scaled, x);

@@ -106,6 +106,9 @@ pub(crate) trait StreamMixBackend: Backend {
 /// every `Wᵀ ∂out` left, token by token in cache. Otherwise each of the three wrote a full-size
 /// `∂S` and autodiff added them up, two more full-size passes. A mix that runs after the
 /// projection's backward (no such order is known, but it would be a silent error) writes its own.
+///
+/// The token mixes use the same slot for a state with one unit (`U = 1`, `R = 1`): AttnRes's
+/// sources, whose logits' projection claims it (see `token_mix_leaving`).
 #[derive(Clone, Default)]
 pub(crate) struct UnitsGradient(Arc<Mutex<Deferred>>);
 
@@ -143,12 +146,13 @@ impl UnitsGradient {
     }
 
     /// Whether a mix's backward may leave its part here.
-    fn accepts(&self) -> bool {
+    pub(crate) fn accepts(&self) -> bool {
         let deferred = self.lock();
         deferred.claimed && !deferred.taken
     }
 
-    fn leave(&self, weights: FlexTensor, grad: FlexTensor) {
+    /// Leaves one mix's part, `W [T | 1, R, U]` and `∂out [T, R, w]`.
+    pub(crate) fn leave(&self, weights: FlexTensor, grad: FlexTensor) {
         self.lock().terms.push((weights, grad));
     }
 
@@ -223,19 +227,25 @@ impl<'a, E: Scalar> DeferredTerms<'a, E> {
         }
         let mut sum: Vec<(E, &[E])> = Vec::new();
         for (offset, out) in out.chunks_exact_mut(count * width).enumerate() {
-            let t = first + offset;
             for (u, unit) in out.chunks_exact_mut(width).enumerate() {
                 sum.clear();
-                for term in &self.terms {
-                    let rows = term.rows;
-                    let first_weight = if term.per_token { t * rows * count } else { 0 };
-                    let w = &term.weights[first_weight..][..rows * count];
-                    let g = &term.grad[t * rows * width..][..rows * width];
-                    let g_rows = g.chunks_exact(width).enumerate();
-                    sum.extend(g_rows.map(|(r, g_row)| (w[r * count + u], g_row)));
-                }
+                self.push_terms(first + offset, u, &mut sum);
                 add_weighted_sum(unit, &sum);
             }
+        }
+    }
+
+    /// Pushes the terms of unit `u` of token `t` onto `sum`: `(W[t, r, u], ∂out[t, r])` for
+    /// every part and row, for an op that adds them to its own terms in one pass.
+    pub(crate) fn push_terms<'s>(&'s self, t: usize, u: usize, sum: &mut Vec<(E, &'s [E])>) {
+        let (count, width) = (self.units, self.width);
+        for term in &self.terms {
+            let rows = term.rows;
+            let first_weight = if term.per_token { t * rows * count } else { 0 };
+            let w = &term.weights[first_weight..][..rows * count];
+            let g = &term.grad[t * rows * width..][..rows * width];
+            let g_rows = g.chunks_exact(width).enumerate();
+            sum.extend(g_rows.map(|(r, g_row)| (w[r * count + u], g_row)));
         }
     }
 }

@@ -23,6 +23,11 @@
 //! buffer is shared (autodiff hands one gradient to several parents as clones of one buffer),
 //! which is then only read.
 //!
+//! Where a state's whole gradient is written by a later backward that reads the state anyway
+//! (AttnRes's sources: their logits' projection, see [`token_mix_leaving`]), the backward leaves
+//! `(W[:, k], ∂m)` for it instead, and that pass adds `Σ W[:, k] ∂m` over every mixture that read
+//! the state: the state's gradient is written once rather than read and written per mixture.
+//!
 //! Under autodiff the op's parents are `W` and every state (padded to a fixed count by repeating
 //! `W`, which gets no gradient through the padding), so Burn orders its backward like any op's
 //! and a state's gradient so far is complete except for consumers that run later, whose parts
@@ -39,6 +44,21 @@ pub(crate) const MAX_STATES: usize = 63;
 /// `Σ_k weights[..., k] states[k]` for weights `[..., K]` and `K` states `[..., d]` of one
 /// shape: one fused op on Flex (f32, f64; at most [`MAX_STATES`] states), tensor ops elsewhere.
 pub(crate) fn token_mix<const D: usize>(weights: Tensor<D>, states: Vec<Tensor<D>>) -> Tensor<D> {
+    token_mix_leaving(weights, states, Vec::new())
+}
+
+/// [`token_mix`] where state `k` may have a gradient slot `gradients[k]` (missing entries:
+/// none), claimed by a projection of that state created before this mixture and whose output
+/// this mixture's weights are computed from (so autodiff runs its backward after this
+/// mixture's). The fused Flex op's backward then leaves `(W[:, k], ∂m)` there instead of
+/// adding `W[:, k] ∂m` to the state's gradient so far: the projection writes the state's
+/// gradient once for every mixture that read it, where each mixture would read and write it.
+/// An unclaimed slot, or one whose projection ran already, is written as usual.
+pub(crate) fn token_mix_leaving<const D: usize>(
+    weights: Tensor<D>,
+    states: Vec<Tensor<D>>,
+    gradients: Vec<Option<super::UnitsGradient>>,
+) -> Tensor<D> {
     let count = states.len();
     assert!(count > 0, "token mix: no states");
     assert_eq!(
@@ -54,13 +74,14 @@ pub(crate) fn token_mix<const D: usize>(weights: Tensor<D>, states: Vec<Tensor<D
             && weights.dtype() == states[0].dtype();
         #[cfg(feature = "flex")]
         if count <= MAX_STATES && same_shapes && super::has_fused_flex_ops(&states[0]) {
-            return flex::token_mix(weights, states);
+            return flex::token_mix(weights, states, gradients);
         }
         #[cfg(feature = "cube-kernels")]
         if same_shapes && super::is_cube(&states[0].device()) && states[0].dtype().is_float() {
             return parts::token_mix(weights, states);
         }
     }
+    let _ = gradients;
     composed(weights, states)
 }
 
@@ -435,6 +456,7 @@ mod flex {
     use burn_flex::{Flex, FlexTensor};
     use rayon::prelude::*;
 
+    use super::super::UnitsGradient;
     use super::super::autodiff::constant;
     use super::super::flex_kernels::{
         Scalar, add_weighted_sum, axpy, dots, rows_per_task, tensor, unwritten, values, write_axpy,
@@ -487,25 +509,35 @@ mod flex {
         /// Adds `state` to `staged`; returns it unchanged.
         fn token_mix_stage(state: FloatTensor<Self>, staged: Staged) -> FloatTensor<Self>;
 
-        /// `m[t] = Σ_k W[t, k] x_k[t]` for `W` `[T, K]` and the `K` staged states `[T, d]`.
-        fn token_mix(weights: FloatTensor<Self>, staged: Staged) -> FloatTensor<Self>;
+        /// `m[t] = Σ_k W[t, k] x_k[t]` for `W` `[T, K]` and the `K` staged states `[T, d]`;
+        /// under autodiff, the backward may leave state `k`'s term in `gradients[k]`.
+        fn token_mix(
+            weights: FloatTensor<Self>,
+            staged: Staged,
+            gradients: Vec<Option<UnitsGradient>>,
+        ) -> FloatTensor<Self>;
 
         /// `[∂x_0, …, ∂x_{K−1}, ∂W]` for the gradient `∂m`. `sofar` stages one
         /// `Option<Option<FloatTensor>>` per state: `None` where `x_k` needs no gradient, else
         /// its gradient so far (if any), which `∂x_k` includes (updated in place where the op
-        /// owns it); `∂x_k` is an empty tensor where `x_k` needs none.
+        /// owns it); `∂x_k` is an empty tensor where `x_k` needs none. Each `Some` in `leave`
+        /// (`x_k` needs none here) takes `(W[:, k], ∂m)` as a `[T, 1, 1]` and a `[T, 1, d]`
+        /// part of `x_k`'s gradient.
         fn token_mix_backward(
             weights: FloatTensor<Self>,
             staged: Staged,
             grad: FloatTensor<Self>,
             sofar: Staged,
+            leave: Vec<Option<UnitsGradient>>,
         ) -> Vec<FloatTensor<Self>>;
     }
 
-    /// The fused mixture of `[..., K]` weights and `[..., d]` states.
+    /// The fused mixture of `[..., K]` weights and `[..., d]` states, with the states'
+    /// gradient slots (see [`token_mix_leaving`](super::token_mix_leaving)).
     pub(super) fn token_mix<const D: usize>(
         weights: Tensor<D>,
         states: Vec<Tensor<D>>,
+        gradients: Vec<Option<UnitsGradient>>,
     ) -> Tensor<D> {
         // No reshape here: a state's gradient so far is found by its autodiff node, which a
         // reshape would replace by a new one per mixture. The op reads `[..., d]` as rows.
@@ -516,7 +548,8 @@ mod flex {
                 staged.clone(),
             );
         }
-        let mixed = <Dispatch as TokenMixBackend>::token_mix(weights.into_dispatch(), staged);
+        let mixed =
+            <Dispatch as TokenMixBackend>::token_mix(weights.into_dispatch(), staged, gradients);
         Tensor::from_dispatch(mixed)
     }
 
@@ -761,13 +794,45 @@ mod flex {
         grads
     }
 
+    /// Leaves `(W[:, k] [T, 1, 1], ∂m [T, 1, d])` in each slot `leave[k]`: state `k`'s part
+    /// of its gradient, for the projection that writes it (a column of `T` values copied; `∂m`
+    /// shared).
+    fn leave_terms<E: Scalar>(
+        weights: &FlexTensor,
+        grad: &FlexTensor,
+        leave: &[Option<UnitsGradient>],
+    ) {
+        if leave.iter().all(Option::is_none) {
+            return;
+        }
+        let (tokens, width) = rows_and_width(grad);
+        let count = rows_and_width(weights).1;
+        let grad = if row_major_from_start(grad) {
+            grad.clone()
+        } else {
+            grad.to_contiguous()
+        };
+        let grad = grad.reshape(Shape::from([tokens, 1, width]));
+        let weights = values::<E>(weights);
+        for (k, slot) in leave.iter().enumerate() {
+            if let Some(slot) = slot {
+                let column: Vec<E> = weights.chunks_exact(count).map(|row| row[k]).collect();
+                slot.leave(tensor(column, [tokens, 1, 1]), grad.clone());
+            }
+        }
+    }
+
     impl TokenMixBackend for Flex {
         fn token_mix_stage(state: FlexTensor, staged: Staged) -> FlexTensor {
             staged.push(state.clone());
             state
         }
 
-        fn token_mix(weights: FlexTensor, staged: Staged) -> FlexTensor {
+        fn token_mix(
+            weights: FlexTensor,
+            staged: Staged,
+            _gradients: Vec<Option<UnitsGradient>>,
+        ) -> FlexTensor {
             let states = staged.take::<FlexTensor>();
             match states[0].dtype() {
                 DType::F32 => forward::<f32>(&weights, &states),
@@ -781,9 +846,15 @@ mod flex {
             staged: Staged,
             grad: FlexTensor,
             sofar: Staged,
+            leave: Vec<Option<UnitsGradient>>,
         ) -> Vec<FlexTensor> {
             let states = staged.take::<FlexTensor>();
             let sofar = sofar.take::<Option<Option<FlexTensor>>>();
+            match states[0].dtype() {
+                DType::F32 => leave_terms::<f32>(&weights, &grad, &leave),
+                DType::F64 => leave_terms::<f64>(&weights, &grad, &leave),
+                other => panic!("token mix: unsupported dtype {other:?}"),
+            }
             match states[0].dtype() {
                 DType::F32 => backward::<f32>(&weights, &states, &grad, sofar),
                 DType::F64 => backward::<f64>(&weights, &states, &grad, sofar),
@@ -796,12 +867,13 @@ mod flex {
     #[derive(Debug)]
     struct FusedTokenMix;
 
-    /// What the backward pass keeps: the inputs (`W` then the states) and the states' autodiff
-    /// tensors, whose gradients so far the backward takes over.
+    /// What the backward pass keeps: the inputs (`W` then the states), the states' autodiff
+    /// tensors, whose gradients so far the backward takes over, and their gradient slots.
     #[derive(Debug, Clone)]
     struct Kept<B: Backend> {
         inputs: Vec<FloatTensor<B>>,
         states: Vec<FloatTensor<Autodiff<B>>>,
+        gradients: Vec<Option<UnitsGradient>>,
     }
 
     impl<B: TokenMixBackend, const N: usize> Backward<B, N> for FusedTokenMix {
@@ -816,6 +888,7 @@ mod flex {
             let Kept {
                 mut inputs,
                 states: nodes,
+                gradients,
             } = ops.state;
             let states = inputs.split_off(1);
             // The states that need a gradient (the padding parents after them are `W` again).
@@ -824,18 +897,30 @@ mod flex {
                 .zip(&ops.parents[1..])
                 .map(|(state, parent)| parent.as_ref().map(|_| state))
                 .collect();
+            // Those whose slot takes this mixture's term: their projection writes their
+            // gradient later (see `token_mix_leaving`).
+            let leave: Vec<Option<UnitsGradient>> = tracked
+                .iter()
+                .enumerate()
+                .map(|(k, state)| {
+                    let slot = gradients.get(k).cloned().flatten();
+                    slot.filter(|slot| state.is_some() && slot.accepts())
+                })
+                .collect();
             let weights = inputs.pop().expect("the weights");
             let grad = grads.consume::<B>(&ops.node);
-            // Each state's gradient so far leaves the container and comes back with this
+            // Each other state's gradient so far leaves the container and comes back with this
             // mixture's term added in the same pass: no separate add per state and mixture.
             let sofar = Staged::default();
-            for state in &tracked {
-                sofar.push(state.as_ref().map(|state| grads.remove::<B>(state)));
+            for (state, leave) in tracked.iter().zip(&leave) {
+                let wanted = state.as_ref().filter(|_| leave.is_none());
+                sofar.push(wanted.map(|state| grads.remove::<B>(state)));
             }
-            let mut computed = B::token_mix_backward(weights, Staged::of(states), grad, sofar);
+            let mut computed =
+                B::token_mix_backward(weights, Staged::of(states), grad, sofar, leave.clone());
             let weight_grad = computed.pop().expect("∂W");
-            for (state, state_grad) in tracked.iter().zip(computed) {
-                if let Some(state) = state {
+            for ((state, leave), state_grad) in tracked.iter().zip(&leave).zip(computed) {
+                if let (Some(state), None) = (state, leave) {
                     grads.register::<B>(state.node().id(), state_grad);
                 }
             }
@@ -849,6 +934,7 @@ mod flex {
     fn tracked<B, C, const N: usize>(
         weights: FloatTensor<Autodiff<B, C>>,
         states: Vec<FloatTensor<Autodiff<B, C>>>,
+        gradients: Vec<Option<UnitsGradient>>,
     ) -> FloatTensor<Autodiff<B, C>>
     where
         B: TokenMixBackend,
@@ -867,7 +953,8 @@ mod flex {
         let mixed = |primitives: Vec<FloatTensor<B>>| {
             let mut primitives = primitives;
             let states = primitives.split_off(1);
-            B::token_mix(primitives.pop().expect("the weights"), Staged::of(states))
+            let weights = primitives.pop().expect("the weights");
+            B::token_mix(weights, Staged::of(states), Vec::new())
         };
         match FusedTokenMix.prepare::<C>(nodes).compute_bound().stateful() {
             OpsKind::Tracked(prep) => {
@@ -875,6 +962,7 @@ mod flex {
                 let kept = Kept {
                     inputs: primitives,
                     states: kept_states,
+                    gradients,
                 };
                 prep.finish(kept, output)
             }
@@ -888,16 +976,20 @@ mod flex {
             state
         }
 
-        fn token_mix(weights: FloatTensor<Self>, staged: Staged) -> FloatTensor<Self> {
+        fn token_mix(
+            weights: FloatTensor<Self>,
+            staged: Staged,
+            gradients: Vec<Option<UnitsGradient>>,
+        ) -> FloatTensor<Self> {
             let states = staged.take::<FloatTensor<Self>>();
             match states.len() + 1 {
-                0..=4 => tracked::<B, C, 4>(weights, states),
-                5..=8 => tracked::<B, C, 8>(weights, states),
-                9..=16 => tracked::<B, C, 16>(weights, states),
-                17..=32 => tracked::<B, C, 32>(weights, states),
+                0..=4 => tracked::<B, C, 4>(weights, states, gradients),
+                5..=8 => tracked::<B, C, 8>(weights, states, gradients),
+                9..=16 => tracked::<B, C, 16>(weights, states, gradients),
+                17..=32 => tracked::<B, C, 32>(weights, states, gradients),
                 parents => {
                     assert!(parents <= MAX_STATES + 1, "token mix: too many states");
-                    tracked::<B, C, 64>(weights, states)
+                    tracked::<B, C, 64>(weights, states, gradients)
                 }
             }
         }
@@ -907,6 +999,7 @@ mod flex {
             staged: Staged,
             grad: FloatTensor<Self>,
             sofar: Staged,
+            leave: Vec<Option<UnitsGradient>>,
         ) -> Vec<FloatTensor<Self>> {
             let inner = |tensor: FloatTensor<Self>| tensor.into_primitive();
             let states: Vec<FloatTensor<B>> = staged
@@ -925,6 +1018,7 @@ mod flex {
                 Staged::of(states),
                 grad.into_primitive(),
                 Staged::of(sofar),
+                leave,
             )
             .into_iter()
             .map(constant::<B, C>)
@@ -1071,6 +1165,82 @@ mod tests {
     fn chained_mixtures_equal_composed_on_flex() {
         for dtype in [FloatDType::F32, FloatDType::F64] {
             chained_mixtures_equal_composed(&Device::flex().autodiff(), dtype);
+        }
+    }
+
+    /// States whose projection writes their whole gradient (AttnRes's sources): mixtures made
+    /// after a state's projection, their weights computed from it, leave their terms in the
+    /// state's slot. The values and every gradient equal those of mixtures that write their
+    /// own, with a state read by three mixtures, one read by an add as well, and one untracked.
+    #[cfg(feature = "flex")]
+    #[test]
+    fn terms_left_for_the_projection_equal_written_ones() {
+        use super::super::{rms_projection_writing, state_gradient};
+        use burn::tensor::activation::softmax;
+        let device = Device::flex().autodiff();
+        for dtype in [FloatDType::F32, FloatDType::F64] {
+            let normal = Distribution::Normal(0.0, 1.0);
+            let random = |shape: [usize; 3]| {
+                Tensor::<3>::random(shape, normal, &device)
+                    .cast(dtype)
+                    .into_data()
+            };
+            let leaves: Vec<TensorData> = (0..4).map(|_| random([2, 9, 20])).collect();
+            let queries = random([1, 20, 3]);
+            let probes: Vec<TensorData> = (0..3).map(|_| random([2, 9, 20])).collect();
+            let run = |leaving: bool| {
+                let tensor =
+                    |data: &TensorData| Tensor::<3>::from_data(data.clone(), &device).cast(dtype);
+                // Leaf 3 is untracked.
+                let leaves: Vec<Tensor<3>> = leaves
+                    .iter()
+                    .enumerate()
+                    .map(|(k, leaf)| tensor(leaf).set_require_grad(k < 3))
+                    .collect();
+                let queries = tensor(&queries).require_grad();
+                let query_matrix = queries.clone().reshape([20, 3]);
+                let x: Vec<Tensor<3>> = leaves.iter().map(|leaf| leaf.clone() * 1.5).collect();
+                let slots: Vec<_> = x
+                    .iter()
+                    .map(|x| if leaving { state_gradient(x) } else { None })
+                    .collect();
+                assert_eq!(slots.iter().all(Option::is_some), leaving);
+                let logits: Vec<Tensor<3>> = x
+                    .iter()
+                    .zip(&slots)
+                    .map(|(x, slot)| {
+                        let rows = x.clone().reshape([18, 20]);
+                        rms_projection_writing(rows, query_matrix.clone(), 1e-6, slot.as_ref())
+                            .reshape([2, 9, 3])
+                    })
+                    .collect();
+                let mix = |column: usize, picked: &[usize]| {
+                    let columns = picked
+                        .iter()
+                        .map(|&k| logits[k].clone().narrow(2, column, 1))
+                        .collect();
+                    let weights = softmax(Tensor::cat(columns, 2), 2);
+                    let states = picked.iter().map(|&k| x[k].clone()).collect();
+                    let slots = picked.iter().map(|&k| slots[k].clone()).collect();
+                    super::token_mix_leaving(weights, states, slots)
+                };
+                let first = mix(0, &[0, 1]);
+                let second = mix(1, &[0, 1, 3]);
+                let third = mix(2, &[0, 1, 2, 3]) + x[2].clone();
+                let loss = (first * tensor(&probes[0])).sum()
+                    + (second * tensor(&probes[1])).sum()
+                    + (third.clone() * tensor(&probes[2])).sum();
+                let grads = loss.backward();
+                let mut out = vec![third.into_data()];
+                out.extend(
+                    leaves[..3]
+                        .iter()
+                        .map(|l| l.grad(&grads).unwrap().into_data()),
+                );
+                out.push(queries.grad(&grads).unwrap().into_data());
+                out
+            };
+            assert_runs_agree(run(true), run(false), dtype);
         }
     }
 

@@ -40,8 +40,21 @@ impl RowScale {
 /// normalised projection with the RMS scale, one fused op each way on Flex (f32, f64), tensor
 /// ops elsewhere.
 pub(crate) fn rms_projection(rows: Tensor<2>, weights: Tensor<2>, epsilon: f64) -> Tensor<2> {
+    rms_projection_writing(rows, weights, epsilon, None)
+}
+
+/// [`rms_projection`] whose backward, where fused, writes the whole gradient of the state whose
+/// reshape `rows` is: it claims `gradient` (from [`state_gradient`](super::state_gradient)),
+/// in which the token mixes over that state leave their terms (see [`UnitsGradient`]).
+pub(crate) fn rms_projection_writing(
+    rows: Tensor<2>,
+    weights: Tensor<2>,
+    epsilon: f64,
+    gradient: Option<&UnitsGradient>,
+) -> Tensor<2> {
     let [count, width] = rows.dims();
-    let ops = LayerOps::standalone(&rows.clone().reshape([count, 1, width]));
+    let mut ops = LayerOps::standalone(&rows.clone().reshape([count, 1, width]));
+    ops.gradient = gradient.cloned();
     ops.normed_projection(rows, weights, RowScale::rms(width, epsilon))
 }
 

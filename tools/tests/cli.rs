@@ -3,11 +3,25 @@
 
 use std::path::Path;
 use std::process::Command;
+use std::sync::{Mutex, MutexGuard};
 
 use burn_connectivity_tools::assert_refused;
 
+/// Held by every test while its tools run, so they run one at a time: a benchmark's load on both
+/// cores would skew the timings by which CubeCL's autotune picks kernels in `kernel_counts`
+/// (fused kernel or fallback, some of which tie on lavapipe), and the counts with them.
+static ONE_TOOL_AT_A_TIME: Mutex<()> = Mutex::new(());
+
+fn one_tool_at_a_time() -> MutexGuard<'static, ()> {
+    // A test that failed while holding it leaves it poisoned; the others still run.
+    ONE_TOOL_AT_A_TIME
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
 #[test]
 fn bad_flags_are_errors_naming_the_flag() {
+    let _alone = one_tool_at_a_time();
     let reproduce = Path::new(env!("CARGO_BIN_EXE_reproduce"));
     assert_refused(reproduce, &["--seeds", "0"], "--seeds");
     assert_refused(reproduce, &["--only", "vision"], "--only");
@@ -24,6 +38,7 @@ fn bad_flags_are_errors_naming_the_flag() {
 
 #[test]
 fn help_lists_every_flag_with_its_default() {
+    let _alone = one_tool_at_a_time();
     let output = Command::new(env!("CARGO_BIN_EXE_reproduce"))
         .arg("--help")
         .output()
@@ -47,6 +62,7 @@ fn help_lists_every_flag_with_its_default() {
 /// tokens on Flex) and reports a forward and a train-step line for each.
 #[test]
 fn model_workload_runs_every_variant_at_reduced_size() {
+    let _alone = one_tool_at_a_time();
     let output = Command::new(env!("CARGO_BIN_EXE_bench_connectivity"))
         .args(["--only", "model", "--runs", "1", "--warmup", "0"])
         .output()
@@ -67,6 +83,7 @@ fn model_workload_runs_every_variant_at_reduced_size() {
 /// step, and prints each one's share of that step.
 #[test]
 fn connectivity_alone_times_every_variant() {
+    let _alone = one_tool_at_a_time();
     let output = Command::new(env!("CARGO_BIN_EXE_bench_connectivity"))
         .args([
             "--only",
@@ -117,6 +134,7 @@ fn connectivity_alone_times_every_variant() {
 /// variant's, and one ratio per variant, to its pair's residual.
 #[test]
 fn pairs_give_each_variant_its_own_residual() {
+    let _alone = one_tool_at_a_time();
     let output = Command::new(env!("CARGO_BIN_EXE_bench_connectivity"))
         .args([
             "--only", "stack", "--passes", "forward", "--runs", "1", "--warmup", "0",
@@ -175,6 +193,7 @@ fn pairs_give_each_variant_its_own_residual() {
 #[cfg(feature = "wgpu")]
 #[test]
 fn kernel_counts_meet_the_train_step_targets() {
+    let _alone = one_tool_at_a_time();
     const COUNT_TRIES: usize = 4;
     // The variants with a train-step target, as `--variants` names them.
     const TARGETED: [&str; 5] = ["hacn", "ancre", "hc", "mhc", "dwa"];

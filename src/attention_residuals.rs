@@ -36,14 +36,15 @@
 //! source), as in `attn-res`'s block-boundary handling.
 //!
 //! A source's logits for every query are one normalised projection (`rms(v) [w_1 … w_Q]`, one
-//! fused op each way on Flex); each mixture's weighted sum is one fused op each way on Flex and
-//! a kernel each way per eight sources on the CubeCL backends, and so is the gathering of its
-//! query's column from every source's logits on the CubeCL backends; the softmax over the
-//! sources is one kernel each way there, tensor ops elsewhere. On Flex under autodiff a
-//! mixture's backward leaves `(p_{l,i}, ∂h_l)` for each source, and the backward of the
-//! source's logits, which runs after every mixture that read the source (their weights come
-//! from the logits), writes `∂v_i = Σ_l p_{l,i} ∂h_l` with its own term in one pass: each
-//! mixture would otherwise read and write the source's gradient so far.
+//! fused op each way on Flex). On Flex each mixture (the query's column of its sources' logits,
+//! the softmax and the weighted sum) is one fused op each way, and under autodiff its backward
+//! leaves `(p_{l,i}, ∂h_l, ⟨∂h_l, h_l⟩)` for each source: the backward of the source's logits,
+//! which runs after every mixture that read the source (their weights come from the logits),
+//! takes `⟨∂h_l, v_i⟩` from each and writes the logits' gradient and
+//! `∂v_i = Σ_l p_{l,i} ∂h_l + (its own term)` in its one pass over the source, so that a mixture
+//! reads each source once forward and not at all backward. On the CubeCL backends the gathering
+//! of the query's column and the weighted sum are a kernel each way per eight sources and the
+//! softmax one kernel each way; tensor ops elsewhere.
 //!
 //! # Shapes
 //! - input, block inputs, branches and output: `[..., d]` (any rank, last axis the width `d`)
@@ -68,8 +69,8 @@ use burn::module::Param;
 use burn::prelude::*;
 
 use crate::backend::{
-    UnitsGradient, gather_column, last_axis_softmax, rms_projection_writing, state_gradient,
-    token_mix_leaving,
+    UnitsGradient, fused_softmax_mix, gather_column, last_axis_softmax, rms_projection_writing,
+    state_gradient, token_mix_leaving,
 };
 use crate::connectivity::{Connectivity, ConnectivityConfig, StreamConnectivity, leading_part};
 use crate::error::{Error, Result, check_depth, check_positive, check_size};
@@ -252,32 +253,30 @@ impl AttentionResiduals {
             // softmax over one source is 1, whatever the query.
             return only.value.clone();
         }
-        let gathered = gather_column(
-            sources.iter().map(|source| source.logits.clone()).collect(),
-            column,
-        );
-        let mut gradients: Vec<Option<UnitsGradient>> = sources
-            .iter()
-            .map(|source| source.gradient.clone())
-            .collect();
-        let logits = match partial {
-            Some(partial) => {
-                // Read by this mixture only: its logit for this query alone.
-                let query = queries.clone().narrow(1, column, 1);
-                let gradient = state_gradient(partial);
-                let logit = self.logits(partial, &query, gradient.as_ref());
-                gradients.push(gradient);
-                Tensor::cat(vec![gathered, logit], D - 1)
-            }
-            None => gathered,
-        };
-        let weights = last_axis_softmax(logits);
-        let values = sources
-            .iter()
-            .map(|source| source.value.clone())
-            .chain(partial.cloned())
-            .collect();
-        token_mix_leaving(weights, values, gradients)
+        let count = sources.len();
+        let mut tables: Vec<Tensor<D>> = sources.iter().map(|s| s.logits.clone()).collect();
+        let mut columns = vec![column; count];
+        let mut values: Vec<Tensor<D>> = sources.iter().map(|s| s.value.clone()).collect();
+        let mut gradients: Vec<Option<UnitsGradient>> =
+            sources.iter().map(|s| s.gradient.clone()).collect();
+        if let Some(partial) = partial {
+            // Read by this mixture only: its logit for this query alone.
+            let query = queries.clone().narrow(1, column, 1);
+            let gradient = state_gradient(partial);
+            tables.push(self.logits(partial, &query, gradient.as_ref()));
+            columns.push(0);
+            values.push(partial.clone());
+            gradients.push(gradient);
+        }
+        if let Some(mixed) = fused_softmax_mix(&tables, &columns, &values, &gradients) {
+            return mixed;
+        }
+        // The query's column of every source's logits (one table each), then the partial's.
+        let mut logits = gather_column(tables[..count].to_vec(), column);
+        if partial.is_some() {
+            logits = Tensor::cat(vec![logits, tables[count].clone()], D - 1);
+        }
+        token_mix_leaving(last_axis_softmax(logits), values, gradients)
     }
 
     /// Takes in block `block`'s (0-based) contribution `value`, then prepares the next input.

@@ -60,7 +60,11 @@ pub(crate) use scales::{Scales, UsedEntries};
 #[cfg(any(feature = "cube-kernels", feature = "flex"))]
 pub(crate) mod sinkhorn;
 #[cfg(feature = "flex")]
+mod softmax_mix;
+#[cfg(feature = "flex")]
 pub(crate) mod stream_mix;
+#[cfg(feature = "flex")]
+pub(crate) use softmax_mix::fused_softmax_mix;
 mod token_mix;
 pub(crate) use token_mix::{token_mix, token_mix_leaving};
 #[cfg(feature = "cube-kernels")]
@@ -201,6 +205,17 @@ pub(crate) fn state_gradient<const D: usize>(state: &Tensor<D>) -> Option<UnitsG
         return Some(UnitsGradient::default());
     }
     let _ = state;
+    None
+}
+
+/// Without Flex there is no fused softmax mixture: the caller composes it.
+#[cfg(not(feature = "flex"))]
+pub(crate) fn fused_softmax_mix<const D: usize>(
+    _tables: &[Tensor<D>],
+    _columns: &[usize],
+    _states: &[Tensor<D>],
+    _slots: &[Option<UnitsGradient>],
+) -> Option<Tensor<D>> {
     None
 }
 

@@ -158,3 +158,45 @@ pub(super) fn eight_slots<T: Clone>(mut values: Vec<T>, fill: &T) -> [T; 8] {
         Err(_) => unreachable!("resized to eight"),
     }
 }
+
+/// The inputs of one fused op over any number of tensors on their way to it: a backend
+/// extension takes a fixed number of tensors, so each goes in through a `*_stage` op of the
+/// extension (as the backend's own tensor, autodiff node included) and the op takes them all.
+#[cfg(feature = "flex")]
+#[derive(Clone, Default)]
+pub(crate) struct Staged(std::sync::Arc<std::sync::Mutex<Vec<Box<dyn std::any::Any + Send>>>>);
+
+#[cfg(feature = "flex")]
+impl std::fmt::Debug for Staged {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let count = self.0.lock().map_or(0, |states| states.len());
+        f.debug_struct("Staged").field("states", &count).finish()
+    }
+}
+
+#[cfg(feature = "flex")]
+impl Staged {
+    pub(super) fn of<T: std::any::Any + Send>(states: Vec<T>) -> Self {
+        let staged = Self::default();
+        for state in states {
+            staged.push(state);
+        }
+        staged
+    }
+
+    pub(super) fn push<T: std::any::Any + Send>(&self, state: T) {
+        self.0.lock().expect("staged states").push(Box::new(state));
+    }
+
+    /// The states, in the order staged, as the backend's tensors.
+    pub(super) fn take<T: std::any::Any>(&self) -> Vec<T> {
+        std::mem::take(&mut *self.0.lock().expect("staged states"))
+            .into_iter()
+            .map(|state| {
+                *state
+                    .downcast::<T>()
+                    .expect("states of the mixture's backend")
+            })
+            .collect()
+    }
+}

@@ -23,8 +23,10 @@
 //! three ops; `∂W = xᵀ (s ∂P)` is one more product. Onto at most 16 columns (AttnRes's logits)
 //! each way is one pass over the rows instead, every row's norm, products and gradients taken
 //! while it is in cache, with the terms the token mixes over the rows left (AttnRes's sources,
-//! see `token_mix_leaving`) added to each row's gradient in the same pass. Flex only (f32 and
-//! f64).
+//! see `token_mix_leaving`) added to each row's gradient in the same pass. The softmax mixtures
+//! over the rows (see `softmax_mix`) leave `(p, ∂h, ⟨∂h, h⟩, c)` each: the pass adds
+//! `p (⟨∂h, x_r⟩ − ⟨∂h, h⟩)` to column `c` of `∂P_r` before using it, and `p ∂h` to `∂x_r`;
+//! those always take the one pass. Flex only (f32 and f64).
 
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
@@ -43,7 +45,7 @@ use super::flex_kernels::{
     Scalar, Strided, add_weighted_sum, axpy, dims, dot, dots, from_f64, new_product, product,
     tensor, to_f64, unwritten, values, write_axpy, written, zeroed,
 };
-use super::stream_mix::{DeferredTerms, UnitsGradient};
+use super::stream_mix::{DeferredTerms, LogitTerm, UnitsGradient};
 
 /// Rows per parallel task.
 const ROWS_PER_TASK: usize = 32;
@@ -216,6 +218,7 @@ fn backward<E: Scalar>(
     grad: &FlexTensor,
     scale: RowScale,
     deferred: &DeferredTerms<'_, E>,
+    logit_terms: &[LogitTermValues<'_, E>],
 ) -> (FlexTensor, FlexTensor) {
     let [count, width] = dims::<2>(rows);
     let columns = dims::<2>(weights)[1];
@@ -225,10 +228,21 @@ fn backward<E: Scalar>(
         values::<E>(projection),
         values::<E>(grad),
     );
-    // One pass also where the rows are whole tokens of the deferred parts (AttnRes's sources).
-    if takes_one_pass(width, columns) && (deferred.is_empty() || deferred.token_len() == width) {
-        return backward_in_one_pass([&x, &w, &p, &g], (width, columns), scale, deferred);
+    // One pass also where the rows are whole tokens of the deferred parts (AttnRes's sources),
+    // and always for the softmax mixtures' parts, which only it takes.
+    let whole_tokens = deferred.is_empty() || deferred.token_len() == width;
+    if width > 0
+        && columns > 0
+        && whole_tokens
+        && (takes_one_pass(width, columns) || !logit_terms.is_empty())
+    {
+        let inputs = [&x[..], &w[..], &p[..], &g[..]];
+        return backward_in_one_pass(inputs, (width, columns), scale, deferred, logit_terms);
     }
+    assert!(
+        logit_terms.is_empty() || width == 0 || columns == 0,
+        "normed projection: softmax mixtures' parts over rows that are not their tokens"
+    );
     if width == 0 || columns == 0 {
         // No projection: the units' gradient is what the mixes left.
         let mut grad_rows = vec![E::zero(); count * width];
@@ -317,12 +331,19 @@ fn backward_in_one_pass<E: Scalar>(
     (width, columns): (usize, usize),
     scale: RowScale,
     deferred: &DeferredTerms<'_, E>,
+    logit_terms: &[LogitTermValues<'_, E>],
 ) -> (FlexTensor, FlexTensor) {
     let count = x.len() / width;
     assert!(
         deferred.is_empty() || deferred.token_len() == width,
         "normed projection: one pass takes deferred parts of one row a token"
     );
+    for term in logit_terms {
+        assert!(
+            term.column < columns && term.grad.len() == count * width,
+            "normed projection: a softmax mixture's part of another shape"
+        );
+    }
     let transposed = transpose(w, (width, columns));
     let mut grad_rows = unwritten::<E>(count * width);
     // One part of `∂Wᵀ` per task, summed in the tasks' order: the same sum on every run.
@@ -335,6 +356,7 @@ fn backward_in_one_pass<E: Scalar>(
         .map(|(task, (((grad_x, x), p), g))| {
             let mut part = vec![E::zero(); columns * width];
             let mut scaled = vec![E::zero(); columns];
+            let mut grad_p = vec![E::zero(); columns];
             let mut terms = Vec::with_capacity(columns);
             for (i, (((grad_x, x), p), g)) in grad_x
                 .chunks_exact_mut(width)
@@ -343,13 +365,29 @@ fn backward_in_one_pass<E: Scalar>(
                 .zip(g.chunks_exact(columns))
                 .enumerate()
             {
+                let t = task * ROWS_PER_WEIGHT_PART + i;
+                // `∂P_r`, with each softmax mixture's `p (⟨∂h, x_r⟩ − ⟨∂h, h⟩)` in its column.
+                grad_p.copy_from_slice(g);
+                for term in logit_terms {
+                    let dh = term.row(t);
+                    grad_p[term.column] += term.weights[t] * (dot(dh, x) - term.centre[t]);
+                }
                 // As the general path: `s ∂P_r`, and `s'/n · (P_r · ∂P_r) / s` for `x_r`.
                 let (s, slope) = scale.of_row(x);
-                scaled.iter_mut().zip(g).for_each(|(out, &g)| *out = s * g);
-                let grad_x = write_axpy(grad_x, None, slope * dot(p, g) / s, x);
+                scaled
+                    .iter_mut()
+                    .zip(&grad_p)
+                    .for_each(|(out, &g)| *out = s * g);
+                let grad_x = write_axpy(grad_x, None, slope * dot(p, &grad_p) / s, x);
                 terms.clear();
                 terms.extend(scaled.iter().copied().zip(transposed.chunks_exact(width)));
-                deferred.push_terms(task * ROWS_PER_WEIGHT_PART + i, 0, &mut terms);
+                deferred.push_terms(t, 0, &mut terms);
+                // Each softmax mixture's `p ∂h`, its `∂h` row still in cache from the dot.
+                terms.extend(
+                    logit_terms
+                        .iter()
+                        .map(|term| (term.weights[t], term.row(t))),
+                );
                 add_weighted_sum(grad_x, &terms);
                 for (&scaled, part) in scaled.iter().zip(part.chunks_exact_mut(width)) {
                     axpy(part, scaled, x);
@@ -371,6 +409,38 @@ fn backward_in_one_pass<E: Scalar>(
             [width, columns],
         ),
     )
+}
+
+/// A softmax mixture's part ([`LogitTerm`]) as values.
+struct LogitTermValues<'a, E: Scalar> {
+    weights: std::borrow::Cow<'a, [E]>,
+    grad: std::borrow::Cow<'a, [E]>,
+    centre: std::borrow::Cow<'a, [E]>,
+    column: usize,
+    width: usize,
+}
+
+impl<'a, E: Scalar> LogitTermValues<'a, E> {
+    fn all(terms: &'a [LogitTerm]) -> Vec<Self> {
+        terms
+            .iter()
+            .map(|term| {
+                let [_, width] = dims::<2>(&term.grad);
+                Self {
+                    weights: values::<E>(&term.weights),
+                    grad: values::<E>(&term.grad),
+                    centre: values::<E>(&term.centre),
+                    column: term.column,
+                    width,
+                }
+            })
+            .collect()
+    }
+
+    /// `∂h` of token `t`.
+    fn row(&self, t: usize) -> &[E] {
+        &self.grad[t * self.width..][..self.width]
+    }
 }
 
 impl NormedProjectionBackend for Flex {
@@ -395,15 +465,33 @@ impl NormedProjectionBackend for Flex {
         scale: RowScale,
         deferred: Option<UnitsGradient>,
     ) -> (FlexTensor, FlexTensor) {
-        let terms = deferred.map(|deferred| deferred.take()).unwrap_or_default();
+        let (terms, logit_terms) = deferred.map(|deferred| deferred.take()).unwrap_or_default();
         match rows.dtype() {
             DType::F32 => {
                 let deferred = DeferredTerms::<f32>::new(&terms);
-                backward(&rows, &weights, &projection, &grad, scale, &deferred)
+                let logit_terms = LogitTermValues::<f32>::all(&logit_terms);
+                backward(
+                    &rows,
+                    &weights,
+                    &projection,
+                    &grad,
+                    scale,
+                    &deferred,
+                    &logit_terms,
+                )
             }
             DType::F64 => {
                 let deferred = DeferredTerms::<f64>::new(&terms);
-                backward(&rows, &weights, &projection, &grad, scale, &deferred)
+                let logit_terms = LogitTermValues::<f64>::all(&logit_terms);
+                backward(
+                    &rows,
+                    &weights,
+                    &projection,
+                    &grad,
+                    scale,
+                    &deferred,
+                    &logit_terms,
+                )
             }
             other => panic!("normed projection: unsupported dtype {other:?}"),
         }

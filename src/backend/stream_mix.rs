@@ -120,6 +120,20 @@ struct Deferred {
     taken: bool,
     /// `(W [T | 1, R, U], ∂out [T, R, w])` of each mix that left its part.
     terms: Vec<(FlexTensor, FlexTensor)>,
+    /// The parts that softmax mixtures left (see [`LogitTerm`]).
+    logit_terms: Vec<LogitTerm>,
+}
+
+/// What a softmax mixture over a state (`U = 1`) leaves for the projection whose output holds
+/// the state's logits (see `softmax_mix`): the state's weights `p [T]`, the mixture's output
+/// gradient `∂h [T, w]`, `⟨∂h, h⟩ [T]` and the logits' column. The projection adds
+/// `p (⟨∂h, v⟩ − ⟨∂h, h⟩)` to that column of its output's gradient and `p ∂h` to the state's.
+#[derive(Clone)]
+pub(crate) struct LogitTerm {
+    pub(crate) weights: FlexTensor,
+    pub(crate) grad: FlexTensor,
+    pub(crate) centre: FlexTensor,
+    pub(crate) column: usize,
 }
 
 impl std::fmt::Debug for UnitsGradient {
@@ -129,6 +143,7 @@ impl std::fmt::Debug for UnitsGradient {
             .field("claimed", &deferred.claimed)
             .field("taken", &deferred.taken)
             .field("terms", &deferred.terms.len())
+            .field("logit_terms", &deferred.logit_terms.len())
             .finish()
     }
 }
@@ -156,11 +171,20 @@ impl UnitsGradient {
         self.lock().terms.push((weights, grad));
     }
 
-    /// The parts left so far, for the projection's backward; later mixes write their own.
-    pub(crate) fn take(&self) -> Vec<(FlexTensor, FlexTensor)> {
+    /// Leaves one softmax mixture's part.
+    pub(crate) fn leave_logit(&self, term: LogitTerm) {
+        self.lock().logit_terms.push(term);
+    }
+
+    /// The parts left so far (the mixes', the softmax mixtures'), for the projection's
+    /// backward; later mixes write their own.
+    pub(crate) fn take(&self) -> (Vec<(FlexTensor, FlexTensor)>, Vec<LogitTerm>) {
         let mut deferred = self.lock();
         deferred.taken = true;
-        std::mem::take(&mut deferred.terms)
+        (
+            std::mem::take(&mut deferred.terms),
+            std::mem::take(&mut deferred.logit_terms),
+        )
     }
 }
 

@@ -439,10 +439,8 @@ mod parts {
 
 #[cfg(feature = "flex")]
 mod flex {
-    use std::any::Any;
     use std::borrow::Cow;
     use std::mem::MaybeUninit;
-    use std::sync::{Arc, Mutex};
 
     use burn::backend::autodiff::Autodiff;
     use burn::backend::autodiff::checkpoint::base::Checkpointer;
@@ -457,51 +455,12 @@ mod flex {
     use rayon::prelude::*;
 
     use super::super::UnitsGradient;
-    use super::super::autodiff::constant;
+    use super::super::autodiff::{Staged, constant};
     use super::super::flex_kernels::{
         Scalar, add_weighted_sum, axpy, dots, rows_per_task, tensor, unwritten, values, write_axpy,
         written, zeroed,
     };
     use super::MAX_STATES;
-
-    /// The states of one mixture on their way to the op: a backend extension takes a fixed
-    /// number of tensors, so each state goes in through [`TokenMixBackend::token_mix_stage`]
-    /// (as the backend's own tensor, autodiff node included) and the mixture takes them all.
-    #[derive(Clone, Default)]
-    pub(crate) struct Staged(Arc<Mutex<Vec<Box<dyn Any + Send>>>>);
-
-    impl std::fmt::Debug for Staged {
-        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-            let count = self.0.lock().map_or(0, |states| states.len());
-            f.debug_struct("Staged").field("states", &count).finish()
-        }
-    }
-
-    impl Staged {
-        fn of<T: Any + Send>(states: Vec<T>) -> Self {
-            let staged = Self::default();
-            for state in states {
-                staged.push(state);
-            }
-            staged
-        }
-
-        fn push<T: Any + Send>(&self, state: T) {
-            self.0.lock().expect("staged states").push(Box::new(state));
-        }
-
-        /// The states, in the order staged, as the backend's tensors.
-        fn take<T: Any>(&self) -> Vec<T> {
-            std::mem::take(&mut *self.0.lock().expect("staged states"))
-                .into_iter()
-                .map(|state| {
-                    *state
-                        .downcast::<T>()
-                        .expect("states of the mixture's backend")
-                })
-                .collect()
-        }
-    }
 
     /// The mixture as one op forward and one backward (see the [module docs](super)).
     #[backend_extension(Flex: cfg(feature = "flex"), Autodiff)]

@@ -1,0 +1,666 @@
+//! A softmax mixture of states whose logits are one column of a table per state, as one fused
+//! op each way on Flex (f32, f64): AttnRes's mixtures, whose sources' logits for every query
+//! are one table per source.
+//!
+//! For states `v_0 … v_{K−1}` `[..., d]` (rows `t`) and tables `L_k` `[..., Q_k]`, column `c_k`
+//! of table `k` holding state `k`'s logits:
+//!
+//! ```text
+//! z[t, k] = L_k[t, c_k]        p[t] = softmax_k(z[t])        h[t] = Σ_k p[t, k] v_k[t]
+//!
+//! ∂v_k[t] = p[t, k] ∂h[t]      ∂L_k[t, c_k] = ∂z[t, k] = p[t, k] (⟨∂h[t], v_k[t]⟩ − ⟨∂h[t], h[t]⟩)
+//! ```
+//!
+//! (the softmax's backward `p_k (g_k − Σ_j p_j g_j)` with `g_k = ⟨∂h, v_k⟩`, whose mean
+//! `Σ_j p_j g_j` is `⟨∂h, h⟩`). Composed, the mixture is a narrow per table and their
+//! concatenation, a softmax (five ops each way) and the weighted sum; backward the weighted
+//! sum reads every state for `g_k` and reads and writes every state's gradient.
+//!
+//! Here the forward reads each row's logits, its weights and its states once and writes `h`
+//! and `p` once. Where a state's table is the output of a normalised projection of that state
+//! which claimed the state's gradient slot ([`UnitsGradient`], AttnRes's sources and their
+//! logits), the backward only computes `⟨∂h, h⟩` and leaves `(p[:, k], ∂h, ⟨∂h, h⟩, c_k)` there:
+//! the projection's backward, which autodiff runs after every mixture over the state (the
+//! table is the mixture's parent) and which reads the state anyway, takes `g_k = ⟨∂h, v_k⟩` in
+//! its pass, adds `∂z` to column `c_k` of its output's gradient and `p ∂h` to the state's. A
+//! (mixture, state) pair then costs a pass over the state forward and one over `∂h` backward,
+//! where the composed backward reads the state, and the state's gradient is written once. The
+//! table gets a zero gradient (once) so that the projection's backward finds one. A state
+//! without a slot that takes the part gets its gradients here. Not differentiable twice.
+
+use std::borrow::Cow;
+
+use burn::backend::autodiff::Autodiff;
+use burn::backend::autodiff::checkpoint::base::Checkpointer;
+use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
+use burn::backend::autodiff::grads::Gradients;
+use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
+use burn::backend::tensor::FloatTensor;
+use burn::backend::{Backend, Dispatch, backend_extension};
+use burn::prelude::*;
+use burn::tensor::DType;
+use burn_flex::{Flex, FlexTensor};
+use rayon::prelude::*;
+
+use super::UnitsGradient;
+use super::autodiff::{Staged, constant};
+use super::flex_kernels::{
+    Scalar, dot, rows_per_task, tensor, unwritten, values, write_axpy, write_weighted_sum, written,
+};
+use super::stream_mix::LogitTerm;
+
+/// The most states of one fused mixture (its parents, a table and a state each, fill 64).
+const MAX_STATES: usize = 32;
+
+/// `Σ_k softmax_k(tables[k][..., columns[k]]) states[k]` through the fused Flex op, with the
+/// states' gradient slots (`slots[k]`, missing entries none); `None` where it does not apply
+/// (not Flex in f32 or f64, states of different shapes, a table whose leading axes differ
+/// from the states' or without its column, more than [`MAX_STATES`] states), for the caller to
+/// compose.
+pub(crate) fn fused_softmax_mix<const D: usize>(
+    tables: &[Tensor<D>],
+    columns: &[usize],
+    states: &[Tensor<D>],
+    slots: &[Option<UnitsGradient>],
+) -> Option<Tensor<D>> {
+    let count = states.len();
+    if count == 0 || count > MAX_STATES || tables.len() != count || columns.len() != count {
+        return None;
+    }
+    let shape = states[0].dims();
+    let dtype = states[0].dtype();
+    let applies = super::has_fused_flex_ops(&states[0])
+        && states
+            .iter()
+            .all(|state| state.dims() == shape && state.dtype() == dtype)
+        && tables.iter().zip(columns).all(|(table, &column)| {
+            let dims = table.dims();
+            dims[..D - 1] == shape[..D - 1] && column < dims[D - 1] && table.dtype() == dtype
+        });
+    if !applies {
+        return None;
+    }
+    // Every input but the last state staged; the last goes in as the op's tensor argument.
+    let staged = Staged::default();
+    for input in tables.iter().chain(&states[..count - 1]) {
+        let _ = <Dispatch as SoftmaxMixBackend>::softmax_mix_stage(
+            input.clone().into_dispatch(),
+            staged.clone(),
+        );
+    }
+    let slots = (0..count)
+        .map(|k| slots.get(k).cloned().flatten())
+        .collect();
+    let last = states[count - 1].clone().into_dispatch();
+    let mixed = <Dispatch as SoftmaxMixBackend>::softmax_mix(last, staged, columns.to_vec(), slots);
+    Some(Tensor::from_dispatch(mixed))
+}
+
+/// The fused mixture (see the [module docs](self)).
+#[backend_extension(Flex: cfg(feature = "flex"), Autodiff)]
+pub(crate) trait SoftmaxMixBackend: Backend {
+    /// Adds `input` to `staged`; returns it unchanged.
+    fn softmax_mix_stage(input: FloatTensor<Self>, staged: Staged) -> FloatTensor<Self>;
+
+    /// `h` for the `K` tables then the first `K − 1` states staged, and the last state; under
+    /// autodiff, the backward may leave state `k`'s part in `slots[k]`.
+    fn softmax_mix(
+        last: FloatTensor<Self>,
+        staged: Staged,
+        columns: Vec<usize>,
+        slots: Vec<Option<UnitsGradient>>,
+    ) -> FloatTensor<Self>;
+
+    /// `[h, p]`: the mixture and its weights `[..., K]` (inputs as [`softmax_mix`](Self::softmax_mix)).
+    fn softmax_mix_weights(
+        last: FloatTensor<Self>,
+        staged: Staged,
+        columns: Vec<usize>,
+    ) -> Vec<FloatTensor<Self>>;
+
+    /// The gradients for `∂h` of the `K` tables then the `K` states staged (`p` the weights,
+    /// `h` the output): each slot in `leave` takes its state's part, and its table's gradient
+    /// is zero where `wanted[k]` (else empty); the others' gradients where `wanted` (table
+    /// `k`, then state `K + k`), empty tensors where not.
+    fn softmax_mix_backward(
+        staged: Staged,
+        columns: Vec<usize>,
+        weights: FloatTensor<Self>,
+        output: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        leave: Vec<Option<UnitsGradient>>,
+        wanted: Vec<bool>,
+    ) -> Vec<FloatTensor<Self>>;
+}
+
+/// `(rows, width)` of a `[..., width]` tensor.
+fn rows_and_width(tensor: &FlexTensor) -> (usize, usize) {
+    let shape = tensor.layout().shape();
+    let width = shape[shape.num_dims() - 1];
+    (shape.num_elements() / width.max(1), width)
+}
+
+/// Row `t` of a `[T, width]` tensor's values.
+fn row<E>(values: &[E], t: usize, width: usize) -> &[E] {
+    &values[t * width..][..width]
+}
+
+/// `(h, p)` of the mixture of `states` with logits `tables[k][:, columns[k]]`.
+fn forward<E: Scalar>(
+    tables: &[FlexTensor],
+    columns: &[usize],
+    states: &[FlexTensor],
+) -> (FlexTensor, FlexTensor) {
+    let (tokens, width) = rows_and_width(&states[0]);
+    let count = states.len();
+    let shape = states[0].layout().shape().clone();
+    let mut weight_shape = shape.clone();
+    weight_shape[shape.num_dims() - 1] = count;
+    let tables: Vec<(Cow<'_, [E]>, usize)> = tables
+        .iter()
+        .map(|table| (values::<E>(table), rows_and_width(table).1))
+        .collect();
+    let states: Vec<Cow<'_, [E]>> = states.iter().map(values::<E>).collect();
+    let rows = rows_per_task(width);
+    let mut out = unwritten::<E>(tokens * width);
+    let mut weights = vec![E::zero(); tokens * count];
+    out.par_chunks_mut(rows * width)
+        .zip(weights.par_chunks_mut(rows * count))
+        .enumerate()
+        .for_each(|(task, (chunk, weight_chunk))| {
+            let first = task * rows;
+            let mut terms = Vec::with_capacity(count);
+            for (i, (out, p)) in chunk
+                .chunks_mut(width)
+                .zip(weight_chunk.chunks_mut(count))
+                .enumerate()
+            {
+                let t = first + i;
+                // The softmax of the row's logits, its largest subtracted.
+                for ((p, (table, len)), &column) in p.iter_mut().zip(&tables).zip(columns) {
+                    *p = table[t * len + column];
+                }
+                let largest = p.iter().copied().fold(E::neg_infinity(), E::max);
+                let mut sum = E::zero();
+                for p in p.iter_mut() {
+                    *p = (*p - largest).exp();
+                    sum += *p;
+                }
+                p.iter_mut().for_each(|p| *p = *p / sum);
+                terms.clear();
+                terms.extend(
+                    p.iter()
+                        .zip(&states)
+                        .map(|(&p, state)| (p, row(state, t, width))),
+                );
+                write_weighted_sum(out, &terms);
+            }
+        });
+    // SAFETY: the chunks partition `out`, and each row of each was written whole.
+    let output = tensor(unsafe { written(out) }, [tokens, width]).reshape(shape);
+    (
+        output,
+        tensor(weights, [tokens, count]).reshape(weight_shape),
+    )
+}
+
+/// See [`SoftmaxMixBackend::softmax_mix_backward`].
+#[allow(clippy::too_many_arguments)]
+fn backward<E: Scalar>(
+    tables: &[FlexTensor],
+    columns: &[usize],
+    states: &[FlexTensor],
+    weights: &FlexTensor,
+    output: &FlexTensor,
+    grad: &FlexTensor,
+    leave: &[Option<UnitsGradient>],
+    wanted: &[bool],
+) -> Vec<FlexTensor> {
+    let (tokens, width) = rows_and_width(&states[0]);
+    let count = states.len();
+    let p = values::<E>(weights);
+    let h = values::<E>(output);
+    let dh = values::<E>(grad);
+    // `⟨∂h, h⟩` per token: the softmax's mean term of every state's `∂z`.
+    let mut centre = vec![E::zero(); tokens];
+    centre
+        .par_iter_mut()
+        .enumerate()
+        .for_each(|(t, centre)| *centre = dot(row(&dh, t, width), row(&h, t, width)));
+    let column_of = |k: usize| -> Vec<E> { p.chunks_exact(count).map(|p| p[k]).collect() };
+    let dh_rows = if grad.layout().is_contiguous() && grad.layout().start_offset() == 0 {
+        grad.clone()
+    } else {
+        grad.to_contiguous()
+    }
+    .reshape(Shape::from([tokens, width]));
+    let empty = || tensor(Vec::<E>::new(), [0]);
+    let mut table_grads = Vec::with_capacity(count);
+    let mut state_grads = Vec::with_capacity(count);
+    for k in 0..count {
+        let (want_table, want_state) = (wanted[k], wanted[count + k]);
+        let table_len = rows_and_width(&tables[k]).1;
+        let table_shape = tables[k].layout().shape().clone();
+        if let Some(slot) = &leave[k] {
+            slot.leave_logit(LogitTerm {
+                weights: tensor(column_of(k), [tokens]),
+                grad: dh_rows.clone(),
+                centre: tensor(centre.clone(), [tokens]),
+                column: columns[k],
+            });
+            table_grads.push(if want_table {
+                tensor(vec![E::zero(); tokens * table_len], [tokens, table_len])
+                    .reshape(table_shape)
+            } else {
+                empty()
+            });
+            state_grads.push(empty());
+            continue;
+        }
+        // No slot takes it: this state's gradients here.
+        if want_table {
+            let state = values::<E>(&states[k]);
+            let mut table_grad = vec![E::zero(); tokens * table_len];
+            table_grad
+                .par_chunks_mut(table_len)
+                .enumerate()
+                .for_each(|(t, out)| {
+                    let g = dot(row(&dh, t, width), row(&state, t, width));
+                    out[columns[k]] = p[t * count + k] * (g - centre[t]);
+                });
+            table_grads.push(tensor(table_grad, [tokens, table_len]).reshape(table_shape));
+        } else {
+            table_grads.push(empty());
+        }
+        if want_state {
+            let mut state_grad = unwritten::<E>(tokens * width);
+            state_grad
+                .par_chunks_mut(width)
+                .enumerate()
+                .for_each(|(t, out)| {
+                    write_axpy(out, None, p[t * count + k], row(&dh, t, width));
+                });
+            // SAFETY: every row was written whole.
+            let state_grad = tensor(unsafe { written(state_grad) }, [tokens, width]);
+            state_grads.push(state_grad.reshape(states[k].layout().shape().clone()));
+        } else {
+            state_grads.push(empty());
+        }
+    }
+    table_grads.extend(state_grads);
+    table_grads
+}
+
+/// The staged inputs (and the last state, where it came apart) split into the tables and the
+/// states.
+fn split_staged<T: std::any::Any>(staged: &Staged, last: Option<T>) -> (Vec<T>, Vec<T>) {
+    let mut tables = staged.take::<T>();
+    tables.extend(last);
+    let states = tables.split_off(tables.len() / 2);
+    (tables, states)
+}
+
+impl SoftmaxMixBackend for Flex {
+    fn softmax_mix_stage(input: FlexTensor, staged: Staged) -> FlexTensor {
+        staged.push(input.clone());
+        input
+    }
+
+    fn softmax_mix(
+        last: FlexTensor,
+        staged: Staged,
+        columns: Vec<usize>,
+        _slots: Vec<Option<UnitsGradient>>,
+    ) -> FlexTensor {
+        let mut outputs = Self::softmax_mix_weights(last, staged, columns);
+        outputs.swap_remove(0)
+    }
+
+    fn softmax_mix_weights(
+        last: FlexTensor,
+        staged: Staged,
+        columns: Vec<usize>,
+    ) -> Vec<FlexTensor> {
+        let (tables, states) = split_staged::<FlexTensor>(&staged, Some(last));
+        let (output, weights) = match states[0].dtype() {
+            DType::F32 => forward::<f32>(&tables, &columns, &states),
+            DType::F64 => forward::<f64>(&tables, &columns, &states),
+            other => panic!("softmax mix: unsupported dtype {other:?}"),
+        };
+        vec![output, weights]
+    }
+
+    fn softmax_mix_backward(
+        staged: Staged,
+        columns: Vec<usize>,
+        weights: FlexTensor,
+        output: FlexTensor,
+        grad: FlexTensor,
+        leave: Vec<Option<UnitsGradient>>,
+        wanted: Vec<bool>,
+    ) -> Vec<FlexTensor> {
+        let (tables, states) = split_staged::<FlexTensor>(&staged, None);
+        let run = |dtype| match dtype {
+            DType::F32 => backward::<f32>(
+                &tables, &columns, &states, &weights, &output, &grad, &leave, &wanted,
+            ),
+            DType::F64 => backward::<f64>(
+                &tables, &columns, &states, &weights, &output, &grad, &leave, &wanted,
+            ),
+            other => panic!("softmax mix: unsupported dtype {other:?}"),
+        };
+        run(states[0].dtype())
+    }
+}
+
+/// The fused mixture under autodiff: parents `[L_0, …, L_{K−1}, v_0, …, v_{K−1}, L_0, …]` (`N`
+/// of them, padded with the first table).
+#[derive(Debug)]
+struct FusedSoftmaxMix;
+
+/// What the backward pass keeps: the inputs (the tables then the states), the tables' autodiff
+/// tensors (to find whether one has a gradient yet), the columns, the weights and the output,
+/// and the states' slots.
+#[derive(Debug, Clone)]
+struct Kept<B: Backend> {
+    inputs: Vec<FloatTensor<B>>,
+    tables: Vec<FloatTensor<Autodiff<B>>>,
+    columns: Vec<usize>,
+    weights: FloatTensor<B>,
+    output: FloatTensor<B>,
+    slots: Vec<Option<UnitsGradient>>,
+}
+
+impl<B: SoftmaxMixBackend, const N: usize> Backward<B, N> for FusedSoftmaxMix {
+    type State = Kept<B>;
+
+    fn backward(
+        self,
+        ops: Ops<Self::State, N>,
+        grads: &mut Gradients,
+        _checkpointer: &mut Checkpointer,
+    ) {
+        let Kept {
+            inputs,
+            tables,
+            columns,
+            weights,
+            output,
+            slots,
+        } = ops.state;
+        let count = tables.len();
+        let grad = grads.consume::<B>(&ops.node);
+        let tracked: Vec<bool> = ops.parents[..2 * count]
+            .iter()
+            .map(Option::is_some)
+            .collect();
+        // A slot takes its state's part where its projection claimed it and has not run.
+        let leave: Vec<Option<UnitsGradient>> = slots
+            .into_iter()
+            .map(|slot| slot.filter(UnitsGradient::accepts))
+            .collect();
+        let mut wanted = tracked.clone();
+        for k in 0..count {
+            if leave[k].is_some() {
+                // The table's zero gradient, once; the state's comes from the projection.
+                wanted[k] = tracked[k] && grads.get::<B>(&tables[k]).is_none();
+                wanted[count + k] = false;
+            }
+        }
+        let computed = B::softmax_mix_backward(
+            Staged::of(inputs),
+            columns,
+            weights,
+            output,
+            grad,
+            leave,
+            wanted.clone(),
+        );
+        for ((parent, wanted), grad) in ops.parents.iter().zip(&wanted).zip(computed) {
+            if let (Some(parent), true) = (parent, wanted) {
+                grads.register::<B>(parent.id, grad);
+            }
+        }
+    }
+}
+
+/// The op with `N` parents.
+fn tracked<B, C, const N: usize>(
+    inputs: Vec<FloatTensor<Autodiff<B, C>>>,
+    columns: Vec<usize>,
+    slots: Vec<Option<UnitsGradient>>,
+) -> FloatTensor<Autodiff<B, C>>
+where
+    B: SoftmaxMixBackend,
+    C: CheckpointStrategy,
+{
+    let count = inputs.len() / 2;
+    let tables: Vec<_> = inputs[..count].to_vec();
+    let nodes: [_; N] =
+        std::array::from_fn(|i| inputs[if i < inputs.len() { i } else { 0 }].node());
+    let primitives: Vec<FloatTensor<B>> = inputs
+        .into_iter()
+        .map(|input| input.into_primitive())
+        .collect();
+    // The inner op takes the last state apart from the staged inputs.
+    let split = |mut primitives: Vec<FloatTensor<B>>| {
+        let last = primitives.pop().expect("a state");
+        (last, Staged::of(primitives))
+    };
+    match FusedSoftmaxMix
+        .prepare::<C>(nodes)
+        .compute_bound()
+        .stateful()
+    {
+        OpsKind::Tracked(prep) => {
+            let (last, staged) = split(primitives.clone());
+            let mut outputs = B::softmax_mix_weights(last, staged, columns.clone());
+            let weights = outputs.pop().expect("the weights");
+            let output = outputs.pop().expect("the mixture");
+            let kept = Kept {
+                inputs: primitives,
+                tables,
+                columns,
+                weights,
+                output: output.clone(),
+                slots,
+            };
+            prep.finish(kept, output)
+        }
+        OpsKind::UnTracked(prep) => {
+            let (last, staged) = split(primitives);
+            prep.finish(B::softmax_mix(last, staged, columns, Vec::new()))
+        }
+    }
+}
+
+impl<B: SoftmaxMixBackend, C: CheckpointStrategy> SoftmaxMixBackend for Autodiff<B, C> {
+    fn softmax_mix_stage(input: FloatTensor<Self>, staged: Staged) -> FloatTensor<Self> {
+        staged.push(input.clone());
+        input
+    }
+
+    fn softmax_mix(
+        last: FloatTensor<Self>,
+        staged: Staged,
+        columns: Vec<usize>,
+        slots: Vec<Option<UnitsGradient>>,
+    ) -> FloatTensor<Self> {
+        let mut inputs = staged.take::<FloatTensor<Self>>();
+        inputs.push(last);
+        match inputs.len() {
+            0..=8 => tracked::<B, C, 8>(inputs, columns, slots),
+            9..=16 => tracked::<B, C, 16>(inputs, columns, slots),
+            17..=32 => tracked::<B, C, 32>(inputs, columns, slots),
+            parents => {
+                assert!(parents <= 2 * MAX_STATES, "softmax mix: too many states");
+                tracked::<B, C, 64>(inputs, columns, slots)
+            }
+        }
+    }
+
+    fn softmax_mix_weights(
+        last: FloatTensor<Self>,
+        staged: Staged,
+        columns: Vec<usize>,
+    ) -> Vec<FloatTensor<Self>> {
+        let inputs: Vec<FloatTensor<B>> = staged
+            .take::<FloatTensor<Self>>()
+            .into_iter()
+            .map(|input| input.into_primitive())
+            .collect();
+        B::softmax_mix_weights(last.into_primitive(), Staged::of(inputs), columns)
+            .into_iter()
+            .map(constant::<B, C>)
+            .collect()
+    }
+
+    fn softmax_mix_backward(
+        staged: Staged,
+        columns: Vec<usize>,
+        weights: FloatTensor<Self>,
+        output: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        leave: Vec<Option<UnitsGradient>>,
+        wanted: Vec<bool>,
+    ) -> Vec<FloatTensor<Self>> {
+        let inputs: Vec<FloatTensor<B>> = staged
+            .take::<FloatTensor<Self>>()
+            .into_iter()
+            .map(|input| input.into_primitive())
+            .collect();
+        // First-order only: the gradients are constants to the graph.
+        B::softmax_mix_backward(
+            Staged::of(inputs),
+            columns,
+            weights.into_primitive(),
+            output.into_primitive(),
+            grad.into_primitive(),
+            leave,
+            wanted,
+        )
+        .into_iter()
+        .map(constant::<B, C>)
+        .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use burn::prelude::*;
+    use burn::tensor::activation::softmax;
+    use burn::tensor::{Distribution, FloatDType, TensorData, Tolerance};
+
+    use super::super::units::{RowScale, composed_normed_projection};
+    use super::super::{rms_projection_writing, state_gradient, token_mix};
+
+    const WIDTH: usize = 20;
+
+    /// Mixtures over states and their logits tables as AttnRes makes them (a projection of each
+    /// state onto three queries; one state's table a projection of its own onto one), the
+    /// fused op against tensor ops, values and the gradients of every tracked state and of the
+    /// queries: with the states' slots (their parts left for the projections) and without
+    /// (the op's own gradients), with a state read by three mixtures, one untracked (its table
+    /// still tracked through the queries) and a state whose table has one column.
+    #[test]
+    fn fused_equals_composed_with_and_without_slots() {
+        let device = Device::flex().autodiff();
+        for dtype in [FloatDType::F32, FloatDType::F64] {
+            let normal = Distribution::Normal(0.0, 1.0);
+            let random = |shape: [usize; 3]| {
+                Tensor::<3>::random(shape, normal, &device)
+                    .cast(dtype)
+                    .into_data()
+            };
+            let leaves: Vec<TensorData> = (0..4).map(|_| random([2, 9, WIDTH])).collect();
+            let queries = random([1, WIDTH, 3]);
+            let probes: Vec<TensorData> = (0..3).map(|_| random([2, 9, WIDTH])).collect();
+            let run = |fused: bool, slotted: bool| {
+                let tensor =
+                    |data: &TensorData| Tensor::<3>::from_data(data.clone(), &device).cast(dtype);
+                // Leaf 3 is untracked.
+                let leaves: Vec<Tensor<3>> = leaves
+                    .iter()
+                    .enumerate()
+                    .map(|(k, leaf)| tensor(leaf).set_require_grad(k < 3))
+                    .collect();
+                let queries = tensor(&queries).require_grad();
+                let query_matrix = queries.clone().reshape([WIDTH, 3]);
+                let x: Vec<Tensor<3>> = leaves.iter().map(|leaf| leaf.clone() * 1.5).collect();
+                let slots: Vec<_> = x
+                    .iter()
+                    .map(|x| {
+                        if fused && slotted {
+                            state_gradient(x)
+                        } else {
+                            None
+                        }
+                    })
+                    .collect();
+                let project = |k: usize, weights: Tensor<2>| {
+                    let rows = x[k].clone().reshape([18, WIDTH]);
+                    let columns = weights.dims()[1];
+                    let projected = if fused {
+                        rms_projection_writing(rows, weights, 1e-6, slots[k].as_ref())
+                    } else {
+                        composed_normed_projection(rows, weights, RowScale::rms(WIDTH, 1e-6))
+                    };
+                    projected.reshape([2, 9, columns])
+                };
+                // State 2's table is its logit for the third query alone.
+                let tables: Vec<Tensor<3>> = (0..4)
+                    .map(|k| match k {
+                        2 => project(k, query_matrix.clone().narrow(1, 2, 1)),
+                        _ => project(k, query_matrix.clone()),
+                    })
+                    .collect();
+                let mix = |column: usize, picked: &[usize]| {
+                    let columns: Vec<usize> = picked
+                        .iter()
+                        .map(|&k| if k == 2 { 0 } else { column })
+                        .collect();
+                    let tables: Vec<Tensor<3>> =
+                        picked.iter().map(|&k| tables[k].clone()).collect();
+                    let states: Vec<Tensor<3>> = picked.iter().map(|&k| x[k].clone()).collect();
+                    if fused {
+                        let slots: Vec<_> = picked.iter().map(|&k| slots[k].clone()).collect();
+                        super::fused_softmax_mix(&tables, &columns, &states, &slots)
+                            .expect("applies on Flex")
+                    } else {
+                        let logits = tables
+                            .into_iter()
+                            .zip(&columns)
+                            .map(|(table, &c)| table.narrow(2, c, 1))
+                            .collect();
+                        token_mix::composed(softmax(Tensor::cat(logits, 2), 2), states)
+                    }
+                };
+                let first = mix(0, &[0, 1]);
+                let second = mix(1, &[0, 1, 3]);
+                let third = mix(2, &[0, 1, 3, 2]) + x[2].clone();
+                let loss = (first * tensor(&probes[0])).sum()
+                    + (second * tensor(&probes[1])).sum()
+                    + (third.clone() * tensor(&probes[2])).sum();
+                let grads = loss.backward();
+                let mut out = vec![third.into_data()];
+                out.extend(
+                    leaves[..3]
+                        .iter()
+                        .map(|l| l.grad(&grads).unwrap().into_data()),
+                );
+                out.push(queries.grad(&grads).unwrap().into_data());
+                out
+            };
+            let tolerance = match dtype {
+                FloatDType::F64 => Tolerance::absolute(1e-12).set_relative(1e-12),
+                _ => Tolerance::absolute(1e-5).set_relative(1e-5),
+            };
+            let composed = run(false, false);
+            for slotted in [true, false] {
+                for (fused, composed) in run(true, slotted).into_iter().zip(&composed) {
+                    fused.assert_approx_eq::<f64>(composed, tolerance);
+                }
+            }
+        }
+    }
+}

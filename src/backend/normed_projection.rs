@@ -228,12 +228,11 @@ fn backward<E: Scalar>(
         values::<E>(projection),
         values::<E>(grad),
     );
-    // One pass also where the rows are whole tokens of the deferred parts (AttnRes's sources),
-    // and always for the softmax mixtures' parts, which only it takes.
-    let whole_tokens = deferred.is_empty() || deferred.token_len() == width;
+    // One pass also where each row is the one unit of a token of the deferred parts (AttnRes's
+    // sources), and always for the softmax mixtures' parts, which only it takes.
     if width > 0
         && columns > 0
-        && whole_tokens
+        && deferred.one_unit_rows(width)
         && (takes_one_pass(width, columns) || !logit_terms.is_empty())
     {
         let inputs = [&x[..], &w[..], &p[..], &g[..]];
@@ -335,8 +334,8 @@ fn backward_in_one_pass<E: Scalar>(
 ) -> (FlexTensor, FlexTensor) {
     let count = x.len() / width;
     assert!(
-        deferred.is_empty() || deferred.token_len() == width,
-        "normed projection: one pass takes deferred parts of one row a token"
+        deferred.one_unit_rows(width),
+        "normed projection: one pass takes deferred parts of one unit a row"
     );
     for term in logit_terms {
         assert!(
@@ -411,6 +410,26 @@ fn backward_in_one_pass<E: Scalar>(
     )
 }
 
+/// [`backward`] with the parts left in the slot (`terms`, `logit_terms`) read as `E`.
+fn backward_with<E: Scalar>(
+    [rows, weights, projection, grad]: [&FlexTensor; 4],
+    scale: RowScale,
+    terms: &[(FlexTensor, FlexTensor)],
+    logit_terms: &[LogitTerm],
+) -> (FlexTensor, FlexTensor) {
+    let deferred = DeferredTerms::<E>::new(terms);
+    let logit_terms = LogitTermValues::<E>::all(logit_terms);
+    backward(
+        rows,
+        weights,
+        projection,
+        grad,
+        scale,
+        &deferred,
+        &logit_terms,
+    )
+}
+
 /// A softmax mixture's part ([`LogitTerm`]) as values.
 struct LogitTermValues<'a, E: Scalar> {
     weights: std::borrow::Cow<'a, [E]>,
@@ -466,33 +485,10 @@ impl NormedProjectionBackend for Flex {
         deferred: Option<UnitsGradient>,
     ) -> (FlexTensor, FlexTensor) {
         let (terms, logit_terms) = deferred.map(|deferred| deferred.take()).unwrap_or_default();
+        let inputs = [&rows, &weights, &projection, &grad];
         match rows.dtype() {
-            DType::F32 => {
-                let deferred = DeferredTerms::<f32>::new(&terms);
-                let logit_terms = LogitTermValues::<f32>::all(&logit_terms);
-                backward(
-                    &rows,
-                    &weights,
-                    &projection,
-                    &grad,
-                    scale,
-                    &deferred,
-                    &logit_terms,
-                )
-            }
-            DType::F64 => {
-                let deferred = DeferredTerms::<f64>::new(&terms);
-                let logit_terms = LogitTermValues::<f64>::all(&logit_terms);
-                backward(
-                    &rows,
-                    &weights,
-                    &projection,
-                    &grad,
-                    scale,
-                    &deferred,
-                    &logit_terms,
-                )
-            }
+            DType::F32 => backward_with::<f32>(inputs, scale, &terms, &logit_terms),
+            DType::F64 => backward_with::<f64>(inputs, scale, &terms, &logit_terms),
             other => panic!("normed projection: unsupported dtype {other:?}"),
         }
     }

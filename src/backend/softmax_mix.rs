@@ -552,16 +552,28 @@ mod tests {
     use burn::tensor::{Distribution, FloatDType, TensorData, Tolerance};
 
     use super::super::units::{RowScale, composed_normed_projection};
-    use super::super::{rms_projection_writing, state_gradient, token_mix};
+    use super::super::{rms_projection_writing, state_gradient, token_mix, token_mix_leaving};
 
     const WIDTH: usize = 20;
 
+    /// How a run makes the logits and the mixtures.
+    #[derive(Clone, Copy, Debug, PartialEq)]
+    enum Mixer {
+        /// Tensor ops throughout.
+        Composed,
+        /// The fused projections and mixtures; `slotted`: the states' parts left in their slots
+        /// for the projections (else the mixture's own gradients).
+        Fused { slotted: bool },
+        /// The fused projections, the logits' softmax from tensor ops and the fused token mix
+        /// leaving `(W[:, k], ∂m)` in the slots (AttnRes's form where this op does not apply).
+        TokenMix,
+    }
+
     /// Mixtures over states and their logits tables as AttnRes makes them (a projection of each
-    /// state onto three queries; one state's table a projection of its own onto one), the
-    /// fused op against tensor ops, values and the gradients of every tracked state and of the
-    /// queries: with the states' slots (their parts left for the projections) and without
-    /// (the op's own gradients), with a state read by three mixtures, one untracked (its table
-    /// still tracked through the queries) and a state whose table has one column.
+    /// state onto three queries; one state's table a projection of its own onto one): values
+    /// and the gradients of every tracked state and of the queries equal the composed form's,
+    /// with a state read by three mixtures, one untracked (its table still tracked through the
+    /// queries) and a state whose table has one column.
     #[test]
     fn fused_equals_composed_with_and_without_slots() {
         let device = Device::flex().autodiff();
@@ -575,7 +587,7 @@ mod tests {
             let leaves: Vec<TensorData> = (0..4).map(|_| random([2, 9, WIDTH])).collect();
             let queries = random([1, WIDTH, 3]);
             let probes: Vec<TensorData> = (0..3).map(|_| random([2, 9, WIDTH])).collect();
-            let run = |fused: bool, slotted: bool| {
+            let run = |mixer: Mixer| {
                 let tensor =
                     |data: &TensorData| Tensor::<3>::from_data(data.clone(), &device).cast(dtype);
                 // Leaf 3 is untracked.
@@ -587,23 +599,20 @@ mod tests {
                 let queries = tensor(&queries).require_grad();
                 let query_matrix = queries.clone().reshape([WIDTH, 3]);
                 let x: Vec<Tensor<3>> = leaves.iter().map(|leaf| leaf.clone() * 1.5).collect();
+                let slotted = matches!(mixer, Mixer::Fused { slotted: true } | Mixer::TokenMix);
                 let slots: Vec<_> = x
                     .iter()
-                    .map(|x| {
-                        if fused && slotted {
-                            state_gradient(x)
-                        } else {
-                            None
-                        }
-                    })
+                    .map(|x| if slotted { state_gradient(x) } else { None })
                     .collect();
+                assert_eq!(slots.iter().all(Option::is_some), slotted);
                 let project = |k: usize, weights: Tensor<2>| {
                     let rows = x[k].clone().reshape([18, WIDTH]);
                     let columns = weights.dims()[1];
-                    let projected = if fused {
-                        rms_projection_writing(rows, weights, 1e-6, slots[k].as_ref())
-                    } else {
-                        composed_normed_projection(rows, weights, RowScale::rms(WIDTH, 1e-6))
+                    let projected = match mixer {
+                        Mixer::Composed => {
+                            composed_normed_projection(rows, weights, RowScale::rms(WIDTH, 1e-6))
+                        }
+                        _ => rms_projection_writing(rows, weights, 1e-6, slots[k].as_ref()),
                     };
                     projected.reshape([2, 9, columns])
                 };
@@ -622,17 +631,20 @@ mod tests {
                     let tables: Vec<Tensor<3>> =
                         picked.iter().map(|&k| tables[k].clone()).collect();
                     let states: Vec<Tensor<3>> = picked.iter().map(|&k| x[k].clone()).collect();
-                    if fused {
-                        let slots: Vec<_> = picked.iter().map(|&k| slots[k].clone()).collect();
-                        super::fused_softmax_mix(&tables, &columns, &states, &slots)
-                            .expect("applies on Flex")
-                    } else {
-                        let logits = tables
-                            .into_iter()
-                            .zip(&columns)
-                            .map(|(table, &c)| table.narrow(2, c, 1))
-                            .collect();
-                        token_mix::composed(softmax(Tensor::cat(logits, 2), 2), states)
+                    let slots: Vec<_> = picked.iter().map(|&k| slots[k].clone()).collect();
+                    if let Mixer::Fused { .. } = mixer {
+                        return super::fused_softmax_mix(&tables, &columns, &states, &slots)
+                            .expect("applies on Flex");
+                    }
+                    let logits = tables
+                        .into_iter()
+                        .zip(&columns)
+                        .map(|(table, &c)| table.narrow(2, c, 1))
+                        .collect();
+                    let weights = softmax(Tensor::cat(logits, 2), 2);
+                    match mixer {
+                        Mixer::TokenMix => token_mix_leaving(weights, states, slots),
+                        _ => token_mix::composed(weights, states),
                     }
                 };
                 let first = mix(0, &[0, 1]);
@@ -655,9 +667,10 @@ mod tests {
                 FloatDType::F64 => Tolerance::absolute(1e-12).set_relative(1e-12),
                 _ => Tolerance::absolute(1e-5).set_relative(1e-5),
             };
-            let composed = run(false, false);
-            for slotted in [true, false] {
-                for (fused, composed) in run(true, slotted).into_iter().zip(&composed) {
+            let composed = run(Mixer::Composed);
+            let fused = [true, false].map(|slotted| Mixer::Fused { slotted });
+            for mixer in fused.into_iter().chain([Mixer::TokenMix]) {
+                for (fused, composed) in run(mixer).into_iter().zip(&composed) {
                     fused.assert_approx_eq::<f64>(composed, tolerance);
                 }
             }

@@ -242,6 +242,12 @@ impl<'a, E: Scalar> DeferredTerms<'a, E> {
         self.units * self.width
     }
 
+    /// Whether rows of `width` are each the one unit of a token (`U = 1`, `w = width`; AttnRes's
+    /// sources), as [`push_terms`](Self::push_terms) of unit 0 covers them; true without terms.
+    pub(crate) fn one_unit_rows(&self, width: usize) -> bool {
+        self.is_empty() || (self.units == 1 && self.width == width)
+    }
+
     /// Adds `Σ_terms Σ_r W[t, r, u] ∂out[t, r]` to `out`, the units `[.., U, w]` of the tokens
     /// from `first`.
     pub(crate) fn add_to(&self, first: usize, out: &mut [E]) {

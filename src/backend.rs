@@ -195,10 +195,11 @@ impl History {
     }
 }
 
-/// The gradient slot of a state read by one [`rms_projection_writing`] and by token mixes
-/// ([`token_mix_leaving`]) created after it: where the fused Flex ops run under autodiff, the
-/// mixes leave their terms of the state's gradient in it and the projection's backward writes
-/// the whole gradient in its one pass over the state (see [`UnitsGradient`]); `None` elsewhere.
+/// The gradient slot of a state read by one [`rms_projection_writing`] and by mixtures created
+/// after it ([`token_mix_leaving`], `fused_softmax_mix`): where the fused Flex ops run under
+/// autodiff, the mixtures leave their parts of the state's gradient in it and the projection's
+/// backward writes the whole gradient in its one pass over the state (see [`UnitsGradient`]);
+/// `None` elsewhere.
 pub(crate) fn state_gradient<const D: usize>(state: &Tensor<D>) -> Option<UnitsGradient> {
     #[cfg(feature = "flex")]
     if has_fused_flex_ops(state) && state.device().is_autodiff() {

@@ -269,6 +269,33 @@ pub(crate) fn values<E: Scalar>(tensor: &FlexTensor) -> Cow<'_, [E]> {
     }
 }
 
+/// `(rows, width)` of a `[..., width]` tensor.
+pub(crate) fn rows_and_width(tensor: &FlexTensor) -> (usize, usize) {
+    let shape = tensor.layout().shape();
+    let width = shape[shape.num_dims() - 1];
+    (shape.num_elements() / width.max(1), width)
+}
+
+/// Row `t` of a `[T, width]` tensor's values.
+pub(crate) fn token_row<E>(values: &[E], t: usize, width: usize) -> &[E] {
+    &values[t * width..][..width]
+}
+
+/// Whether `tensor`'s elements lie in row-major order from its buffer's first byte.
+pub(crate) fn row_major_from_start(tensor: &FlexTensor) -> bool {
+    tensor.layout().is_contiguous() && tensor.layout().start_offset() == 0
+}
+
+/// `tensor` itself where its elements lie in row-major order from its buffer's first byte (see
+/// [`row_major_from_start`]), else a copy that does.
+pub(crate) fn contiguous(tensor: FlexTensor) -> FlexTensor {
+    if row_major_from_start(&tensor) {
+        tensor
+    } else {
+        tensor.to_contiguous()
+    }
+}
+
 /// A contiguous Flex tensor.
 pub(crate) fn tensor<E: Scalar, const D: usize>(values: Vec<E>, shape: [usize; D]) -> FlexTensor {
     FlexTensor::from_data(TensorData::new(values, shape))

@@ -319,10 +319,11 @@ fn backward<E: Scalar>(
 }
 
 /// `∂x` and `∂W` of a projection onto at most [`ROW_PASS_COLUMNS`] columns (AttnRes's logits:
-/// one column per query), in one pass over the rows: each row's scale from its norm, its row
-/// of `∂x` written once, as `c_r x_r + Σ_q (s ∂P)[r, q] Wᵀ[q]` plus the row's deferred parts
-/// (rows that are whole tokens of them), and its `x_r ⊗ (s ∂P)_r` added to its task's part of
-/// `∂Wᵀ`, the parts summed at the end. The general path reads `x` three times (norms, the `x_r`
+/// one column per query; any number where softmax mixtures left parts), in one pass over the
+/// rows: each row's scale from its norm, its `∂P_r` with the softmax mixtures' parts added, its
+/// row of `∂x` written once, as `c_r x_r + Σ_q (s ∂P)[r, q] Wᵀ[q]` plus the row's deferred
+/// parts (each row one unit of a token) and the mixtures' `p ∂h`, and its `x_r ⊗ (s ∂P)_r`
+/// added to its task's part of `∂Wᵀ`, the parts summed at the end. The general path reads `x` three times (norms, the `x_r`
 /// term, `∂W`'s product) and writes `∂x` three times (zeroed, the `x_r` term, the accumulating
 /// product), and a product this small runs on one thread in gemm.
 fn backward_in_one_pass<E: Scalar>(

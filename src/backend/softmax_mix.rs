@@ -45,7 +45,8 @@ use rayon::prelude::*;
 use super::UnitsGradient;
 use super::autodiff::{Staged, constant};
 use super::flex_kernels::{
-    Scalar, dot, rows_per_task, tensor, unwritten, values, write_axpy, write_weighted_sum, written,
+    Scalar, contiguous, dot, rows_and_width, rows_per_task, tensor, token_row, unwritten, values,
+    write_axpy, write_weighted_sum, written,
 };
 use super::stream_mix::LogitTerm;
 
@@ -133,18 +134,6 @@ pub(crate) trait SoftmaxMixBackend: Backend {
     ) -> Vec<FloatTensor<Self>>;
 }
 
-/// `(rows, width)` of a `[..., width]` tensor.
-fn rows_and_width(tensor: &FlexTensor) -> (usize, usize) {
-    let shape = tensor.layout().shape();
-    let width = shape[shape.num_dims() - 1];
-    (shape.num_elements() / width.max(1), width)
-}
-
-/// Row `t` of a `[T, width]` tensor's values.
-fn row<E>(values: &[E], t: usize, width: usize) -> &[E] {
-    &values[t * width..][..width]
-}
-
 /// `(h, p)` of the mixture of `states` with logits `tables[k][:, columns[k]]`.
 fn forward<E: Scalar>(
     tables: &[FlexTensor],
@@ -191,7 +180,7 @@ fn forward<E: Scalar>(
                 terms.extend(
                     p.iter()
                         .zip(&states)
-                        .map(|(&p, state)| (p, row(state, t, width))),
+                        .map(|(&p, state)| (p, token_row(state, t, width))),
                 );
                 write_weighted_sum(out, &terms);
             }
@@ -226,14 +215,11 @@ fn backward<E: Scalar>(
     centre
         .par_iter_mut()
         .enumerate()
-        .for_each(|(t, centre)| *centre = dot(row(&dh, t, width), row(&h, t, width)));
+        .for_each(|(t, centre)| *centre = dot(token_row(&dh, t, width), token_row(&h, t, width)));
     let column_of = |k: usize| -> Vec<E> { p.chunks_exact(count).map(|p| p[k]).collect() };
-    let dh_rows = if grad.layout().is_contiguous() && grad.layout().start_offset() == 0 {
-        grad.clone()
-    } else {
-        grad.to_contiguous()
-    }
-    .reshape(Shape::from([tokens, width]));
+    // Shared by every part left: `∂h` as rows, and `⟨∂h, h⟩`.
+    let dh_rows = contiguous(grad.clone()).reshape(Shape::from([tokens, width]));
+    let centre_tensor = tensor(centre.clone(), [tokens]);
     let empty = || tensor(Vec::<E>::new(), [0]);
     let mut table_grads = Vec::with_capacity(count);
     let mut state_grads = Vec::with_capacity(count);
@@ -245,7 +231,7 @@ fn backward<E: Scalar>(
             slot.leave_logit(LogitTerm {
                 weights: tensor(column_of(k), [tokens]),
                 grad: dh_rows.clone(),
-                centre: tensor(centre.clone(), [tokens]),
+                centre: centre_tensor.clone(),
                 column: columns[k],
             });
             table_grads.push(if want_table {
@@ -265,7 +251,7 @@ fn backward<E: Scalar>(
                 .par_chunks_mut(table_len)
                 .enumerate()
                 .for_each(|(t, out)| {
-                    let g = dot(row(&dh, t, width), row(&state, t, width));
+                    let g = dot(token_row(&dh, t, width), token_row(&state, t, width));
                     out[columns[k]] = p[t * count + k] * (g - centre[t]);
                 });
             table_grads.push(tensor(table_grad, [tokens, table_len]).reshape(table_shape));
@@ -278,7 +264,7 @@ fn backward<E: Scalar>(
                 .par_chunks_mut(width)
                 .enumerate()
                 .for_each(|(t, out)| {
-                    write_axpy(out, None, p[t * count + k], row(&dh, t, width));
+                    write_axpy(out, None, p[t * count + k], token_row(&dh, t, width));
                 });
             // SAFETY: every row was written whole.
             let state_grad = tensor(unsafe { written(state_grad) }, [tokens, width]);

@@ -457,8 +457,8 @@ mod flex {
     use super::super::UnitsGradient;
     use super::super::autodiff::{Staged, constant};
     use super::super::flex_kernels::{
-        Scalar, add_weighted_sum, axpy, dots, rows_per_task, tensor, unwritten, values, write_axpy,
-        written, zeroed,
+        Scalar, add_weighted_sum, axpy, contiguous, dots, row_major_from_start, rows_and_width,
+        rows_per_task, tensor, token_row, unwritten, values, write_axpy, written, zeroed,
     };
     use super::MAX_STATES;
 
@@ -510,18 +510,6 @@ mod flex {
         let mixed =
             <Dispatch as TokenMixBackend>::token_mix(weights.into_dispatch(), staged, gradients);
         Tensor::from_dispatch(mixed)
-    }
-
-    /// `(rows, width)` of a `[..., width]` tensor.
-    fn rows_and_width(tensor: &FlexTensor) -> (usize, usize) {
-        let shape = tensor.layout().shape();
-        let width = shape[shape.num_dims() - 1];
-        (shape.num_elements() / width.max(1), width)
-    }
-
-    /// Row `t` of a `[T, width]` tensor's values.
-    fn token_row<E>(values: &[E], t: usize, width: usize) -> &[E] {
-        &values[t * width..][..width]
     }
 
     fn forward<E: Scalar>(weights: &FlexTensor, states: &[FlexTensor]) -> FlexTensor {
@@ -592,13 +580,7 @@ mod flex {
             match sofar {
                 Some(sofar) if owned_whole::<E>(&sofar, len) => Self::InPlace(sofar),
                 sofar => Self::Fresh {
-                    sofar: sofar.map(|tensor| {
-                        if row_major_from_start(&tensor) {
-                            tensor
-                        } else {
-                            tensor.to_contiguous()
-                        }
-                    }),
+                    sofar: sofar.map(contiguous),
                     out: unwritten::<E>(len),
                 },
             }
@@ -652,11 +634,6 @@ mod flex {
             && row_major_from_start(tensor)
             && tensor.layout().num_elements() == len
             && tensor.bytes().len() == len * std::mem::size_of::<E>()
-    }
-
-    /// Whether `tensor`'s elements lie in row-major order from its buffer's first byte.
-    fn row_major_from_start(tensor: &FlexTensor) -> bool {
-        tensor.layout().is_contiguous() && tensor.layout().start_offset() == 0
     }
 
     /// One parallel task of the backward pass: its rows of every target (with the state's
@@ -766,12 +743,7 @@ mod flex {
         }
         let (tokens, width) = rows_and_width(grad);
         let count = rows_and_width(weights).1;
-        let grad = if row_major_from_start(grad) {
-            grad.clone()
-        } else {
-            grad.to_contiguous()
-        };
-        let grad = grad.reshape(Shape::from([tokens, 1, width]));
+        let grad = contiguous(grad.clone()).reshape(Shape::from([tokens, 1, width]));
         let weights = values::<E>(weights);
         for (k, slot) in leave.iter().enumerate() {
             if let Some(slot) = slot {
@@ -810,13 +782,14 @@ mod flex {
             let states = staged.take::<FlexTensor>();
             let sofar = sofar.take::<Option<Option<FlexTensor>>>();
             match states[0].dtype() {
-                DType::F32 => leave_terms::<f32>(&weights, &grad, &leave),
-                DType::F64 => leave_terms::<f64>(&weights, &grad, &leave),
-                other => panic!("token mix: unsupported dtype {other:?}"),
-            }
-            match states[0].dtype() {
-                DType::F32 => backward::<f32>(&weights, &states, &grad, sofar),
-                DType::F64 => backward::<f64>(&weights, &states, &grad, sofar),
+                DType::F32 => {
+                    leave_terms::<f32>(&weights, &grad, &leave);
+                    backward::<f32>(&weights, &states, &grad, sofar)
+                }
+                DType::F64 => {
+                    leave_terms::<f64>(&weights, &grad, &leave);
+                    backward::<f64>(&weights, &states, &grad, sofar)
+                }
                 other => panic!("token mix: unsupported dtype {other:?}"),
             }
         }

@@ -8,7 +8,7 @@ use rayon::prelude::*;
 
 use super::{History, HistoryMixBackend, Records, Wanted};
 use crate::backend::flex_kernels::{
-    Scalar, add_weighted_sum, dot, dots, from_f64, to_f64, unwritten, written, zeroed,
+    Scalar, add_weighted_sum, contiguous, dot, dots, from_f64, to_f64, unwritten, written, zeroed,
 };
 
 /// Elements per parallel task: a 16 kB (f32) slice of the output stays in L1 while every
@@ -41,14 +41,6 @@ impl Storage {
         (0..self.states.len())
             .filter(|&k| self.states[k].is_some())
             .collect()
-    }
-}
-
-fn contiguous(tensor: FlexTensor) -> FlexTensor {
-    if tensor.is_contiguous() && tensor.layout().start_offset() == 0 {
-        tensor
-    } else {
-        tensor.to_contiguous()
     }
 }
 

@@ -35,16 +35,19 @@
 //! The first layer of a group reads the completed groups only (the empty partial sum is no
 //! source), as in `attn-res`'s block-boundary handling.
 //!
-//! A source's logits for every query are one normalised projection (`rms(v) [w_1 … w_Q]`, one
+//! A completed source's logits for the queries of every mixture that reads it are one
+//! normalised projection (`rms(v) [w_l … w_Q]`, from the first block after the source on; one
 //! fused op each way on Flex). On Flex each mixture (the query's column of its sources' logits,
 //! the softmax and the weighted sum) is one fused op each way, and under autodiff its backward
 //! leaves `(p_{l,i}, ∂h_l, ⟨∂h_l, h_l⟩)` for each source: the backward of the source's logits,
 //! which runs after every mixture that read the source (their weights come from the logits),
 //! takes `⟨∂h_l, v_i⟩` from each and writes the logits' gradient and
 //! `∂v_i = Σ_l p_{l,i} ∂h_l + (its own term)` in its one pass over the source, so that a mixture
-//! reads each source once forward and not at all backward. On the CubeCL backends the gathering
-//! of the query's column and the weighted sum are a kernel each way per eight sources and the
-//! softmax one kernel each way; tensor ops elsewhere.
+//! reads each source once forward and not at all backward. The partial sum, read by one mixture
+//! only, gets its logit `w_l · rms(p_l)` and all its gradients inside that mixture's op. On the
+//! CubeCL backends every source has logits for every query (the gathering of the query's column
+//! takes same-width tables) and the gathering and the weighted sum are a kernel each way per
+//! eight sources and the softmax one kernel each way; tensor ops elsewhere.
 //!
 //! # Shapes
 //! - input, block inputs, branches and output: `[..., d]` (any rank, last axis the width `d`)
@@ -69,8 +72,8 @@ use burn::module::Param;
 use burn::prelude::*;
 
 use crate::backend::{
-    UnitsGradient, fused_softmax_mix, gather_column, last_axis_softmax, rms_projection_writing,
-    state_gradient, token_mix_leaving,
+    OwnLogit, UnitsGradient, fused_softmax_mix, gather_columns, gathers_columns_apart,
+    last_axis_softmax, rms_projection_writing, state_gradient, token_mix_leaving,
 };
 use crate::connectivity::{Connectivity, ConnectivityConfig, StreamConnectivity, leading_part};
 use crate::error::{Error, Result, check_depth, check_positive, check_size};
@@ -149,6 +152,8 @@ struct Source<const D: usize> {
     /// is complete, where each block's mixture would otherwise take a product and a sum per
     /// source.
     logits: Tensor<D>,
+    /// The query column of `logits`' first column.
+    first_column: usize,
     /// Where the fused ops run under autodiff: the slot in which every mixture reading the
     /// source leaves its term of the source's gradient, for the logits' backward to write the
     /// whole gradient once (it runs after them: every mixture's weights come from the logits).
@@ -167,6 +172,10 @@ pub struct AttentionResidualsState<const D: usize> {
     /// `[d, Q]`: block `l`'s query in column `l − 1`, the output's (if any) in column `L`;
     /// fetched once per pass.
     queries: Tensor<2>,
+    /// Whether a source made after block `l` has logits for the queries of columns `l` and up
+    /// only, those of the mixtures that read it (half the columns over a stack), or for every
+    /// query: the CubeCL gather kernel takes one column of same-width tables.
+    narrow_logits: bool,
 }
 
 impl<const D: usize> AttentionResidualsState<D> {
@@ -229,13 +238,32 @@ impl AttentionResiduals {
         .reshape(shape)
     }
 
-    /// A completed source.
-    fn source<const D: usize>(&self, value: Tensor<D>, queries: &Tensor<2>) -> Source<D> {
+    /// A completed source, made after `done` blocks (`narrow`: see
+    /// [`AttentionResidualsState`]).
+    fn source<const D: usize>(
+        &self,
+        value: Tensor<D>,
+        queries: &Tensor<2>,
+        done: usize,
+        narrow: bool,
+    ) -> Source<D> {
+        let count = queries.dims()[1];
+        // Block 1 reads `x` alone: no mixture reads column 0.
+        let first_column = if narrow {
+            done.max(1).min(count - 1)
+        } else {
+            0
+        };
+        let read = match first_column {
+            0 => queries.clone(),
+            first => queries.clone().narrow(1, first, count - first),
+        };
         let gradient = state_gradient(&value);
-        let logits = self.logits(&value, queries, gradient.as_ref());
+        let logits = self.logits(&value, &read, gradient.as_ref());
         Source {
             value,
             logits,
+            first_column,
             gradient,
         }
     }
@@ -254,28 +282,38 @@ impl AttentionResiduals {
             return only.value.clone();
         }
         let count = sources.len();
-        let mut tables: Vec<Tensor<D>> = sources.iter().map(|s| s.logits.clone()).collect();
-        let mut columns = vec![column; count];
+        let tables: Vec<Tensor<D>> = sources.iter().map(|s| s.logits.clone()).collect();
+        let mut columns: Vec<usize> = sources.iter().map(|s| column - s.first_column).collect();
         let mut values: Vec<Tensor<D>> = sources.iter().map(|s| s.value.clone()).collect();
         let mut gradients: Vec<Option<UnitsGradient>> =
             sources.iter().map(|s| s.gradient.clone()).collect();
-        if let Some(partial) = partial {
-            // Read by this mixture only: its logit for this query alone.
-            let query = queries.clone().narrow(1, column, 1);
-            let gradient = state_gradient(partial);
-            tables.push(self.logits(partial, &query, gradient.as_ref()));
-            columns.push(0);
-            values.push(partial.clone());
-            gradients.push(gradient);
-        }
-        if let Some(mixed) = fused_softmax_mix(&tables, &columns, &values, &gradients) {
+        let Some(partial) = partial else {
+            if let Some(mixed) = fused_softmax_mix(&tables, &columns, &values, &gradients, None) {
+                return mixed;
+            }
+            let logits = gather_columns(tables, &columns);
+            return token_mix_leaving(last_axis_softmax(logits), values, gradients);
+        };
+        // The partial sum is read by this mixture only: the fused mixture makes its logit.
+        values.push(partial.clone());
+        columns.push(column);
+        gradients.push(None);
+        let own = OwnLogit {
+            weights: queries.clone(),
+            epsilon: self.epsilon,
+        };
+        if let Some(mixed) = fused_softmax_mix(&tables, &columns, &values, &gradients, Some(&own)) {
             return mixed;
         }
-        // The query's column of every source's logits (one table each), then the partial's.
-        let mut logits = gather_column(tables[..count].to_vec(), column);
-        if partial.is_some() {
-            logits = Tensor::cat(vec![logits, tables[count].clone()], D - 1);
-        }
+        // Else its logit for this query alone, after the sources' columns.
+        let query = queries.clone().narrow(1, column, 1);
+        let gradient = state_gradient(partial);
+        let partial_logit = self.logits(partial, &query, gradient.as_ref());
+        gradients[count] = gradient;
+        let logits = Tensor::cat(
+            vec![gather_columns(tables, &columns[..count]), partial_logit],
+            D - 1,
+        );
         token_mix_leaving(last_axis_softmax(logits), values, gradients)
     }
 
@@ -291,6 +329,7 @@ impl AttentionResiduals {
             partial,
             input,
             queries,
+            narrow_logits,
         } = state;
         let done = block + 1;
         let partial = match partial {
@@ -298,7 +337,7 @@ impl AttentionResiduals {
             None => value,
         };
         let partial = if done.is_multiple_of(self.block_size) {
-            sources.push(self.source(partial, &queries));
+            sources.push(self.source(partial, &queries, done, narrow_logits));
             None
         } else {
             Some(partial)
@@ -313,6 +352,7 @@ impl AttentionResiduals {
             partial,
             input,
             queries,
+            narrow_logits,
         }
     }
 
@@ -395,11 +435,13 @@ impl<const D: usize> StreamConnectivity<D> for AttentionResiduals {
 
     fn start(&self, input: Tensor<D>) -> AttentionResidualsState<D> {
         let queries = self.query_columns();
+        let narrow_logits = gathers_columns_apart(&input.device());
         AttentionResidualsState {
-            sources: vec![self.source(input.clone(), &queries)],
+            sources: vec![self.source(input.clone(), &queries, 0, narrow_logits)],
             partial: None,
             input,
             queries,
+            narrow_logits,
         }
     }
 

@@ -24,7 +24,7 @@ macro_rules! register_tracked {
 #[cfg(any(feature = "flex", feature = "tch", feature = "cube-kernels"))]
 mod autodiff;
 mod column_gather;
-pub(crate) use column_gather::gather_column;
+pub(crate) use column_gather::{gather_columns, gathers_columns_apart};
 #[cfg(feature = "cube-kernels")]
 mod connection_tables;
 #[cfg(feature = "cube-kernels")]
@@ -209,6 +209,19 @@ pub(crate) fn state_gradient<const D: usize>(state: &Tensor<D>) -> Option<UnitsG
     None
 }
 
+/// The last state's logit made inside the mixture, `s(‖v_t‖) v_t · W[:, c]` with the RMS
+/// scale `s(n) = 1 / sqrt(n²/d + ε)`, from a weight matrix `W` `[d, Q]` (`c` the last entry of
+/// the columns), for a state that one mixture alone reads (AttnRes's partial sum): made in the
+/// mixture's op, where a table of its own would be one more op and pass over the state each way.
+#[derive(Debug, Clone)]
+#[cfg_attr(not(feature = "flex"), allow(dead_code))]
+pub(crate) struct OwnLogit {
+    /// `W` `[d, Q]`.
+    pub weights: Tensor<2>,
+    /// `ε`.
+    pub epsilon: f64,
+}
+
 /// Without Flex there is no fused softmax mixture: the caller composes it.
 #[cfg(not(feature = "flex"))]
 pub(crate) fn fused_softmax_mix<const D: usize>(
@@ -216,6 +229,7 @@ pub(crate) fn fused_softmax_mix<const D: usize>(
     _columns: &[usize],
     _states: &[Tensor<D>],
     _slots: &[Option<UnitsGradient>],
+    _own: Option<&OwnLogit>,
 ) -> Option<Tensor<D>> {
     None
 }

@@ -16,16 +16,28 @@
 
 use burn::prelude::*;
 
-/// `[L_0[..., c], …, L_{S−1}[..., c]]` along the last axis for `S` tables `[..., Q]`.
-pub(crate) fn gather_column<const D: usize>(tables: Vec<Tensor<D>>, column: usize) -> Tensor<D> {
+/// `[L_0[..., c_0], …, L_{S−1}[..., c_{S−1}]]` along the last axis for `S` tables `[..., Q_s]`.
+/// The CubeCL kernels take one column of tables of one width (see
+/// [`gathers_columns_apart`]); other tables and columns compose.
+pub(crate) fn gather_columns<const D: usize>(
+    tables: Vec<Tensor<D>>,
+    columns: &[usize],
+) -> Tensor<D> {
     assert!(!tables.is_empty(), "gather column: no tables");
+    assert_eq!(
+        tables.len(),
+        columns.len(),
+        "gather column: one column per table"
+    );
     #[cfg(feature = "cube-kernels")]
     {
         let shape = tables[0].dims();
         let dtype = tables[0].dtype();
+        let column = columns[0];
         if tables
             .iter()
             .all(|table| table.dims() == shape && table.dtype() == dtype)
+            && columns.iter().all(|&c| c == column)
             && column < shape[D - 1]
             && super::is_cube(&tables[0].device())
             && dtype.is_float()
@@ -33,14 +45,22 @@ pub(crate) fn gather_column<const D: usize>(tables: Vec<Tensor<D>>, column: usiz
             return parts::gather(tables, column);
         }
     }
-    composed(tables, column)
+    composed(tables, columns)
 }
 
-/// [`gather_column`] as tensor ops: a narrow per table, concatenated.
-pub(crate) fn composed<const D: usize>(tables: Vec<Tensor<D>>, column: usize) -> Tensor<D> {
+/// Whether [`gather_columns`] on `device` runs as fast with tables of their own widths, each
+/// at its own column, as with one column of same-width tables: everywhere but the CubeCL
+/// devices, whose kernels take the latter.
+pub(crate) fn gathers_columns_apart(device: &Device) -> bool {
+    !super::is_cube(device)
+}
+
+/// [`gather_columns`] as tensor ops: a narrow per table, concatenated.
+pub(crate) fn composed<const D: usize>(tables: Vec<Tensor<D>>, columns: &[usize]) -> Tensor<D> {
     let columns = tables
         .into_iter()
-        .map(|table| table.narrow(D - 1, column, 1))
+        .zip(columns)
+        .map(|(table, &column)| table.narrow(D - 1, column, 1))
         .collect();
     Tensor::cat(columns, D - 1)
 }
@@ -439,10 +459,11 @@ mod tests {
                         .map(|t| (t.clone() * other.clone()).sum())
                         .reduce(|a, b| a + b)
                         .expect("one table");
+                    let columns = vec![3; inputs.len()];
                     let gathered = if fused {
-                        super::gather_column(inputs, 3)
+                        super::gather_columns(inputs, &columns)
                     } else {
-                        super::composed(inputs, 3)
+                        super::composed(inputs, &columns)
                     };
                     let loss = (gathered.clone() * probe.clone()).sum() + elsewhere;
                     let grads = loss.backward();

@@ -91,7 +91,7 @@ impl RowScale {
     }
 
     /// [`at`](Self::at) the norm of `row`, in the row's precision.
-    fn of_row<E: Scalar>(self, row: &[E]) -> (E, E) {
+    pub(super) fn of_row<E: Scalar>(self, row: &[E]) -> (E, E) {
         let (scale, slope) = self.at(to_f64(dot(row, row)).sqrt());
         (from_f64(scale), from_f64(slope))
     }

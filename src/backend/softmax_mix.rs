@@ -26,7 +26,19 @@
 //! (mixture, state) pair then costs a pass over the state forward and one over `∂h` backward,
 //! where the composed backward reads the state, and the state's gradient is written once. The
 //! table gets a zero gradient (once) so that the projection's backward finds one. A state
-//! without a slot that takes the part gets its gradients here. Not differentiable twice.
+//! without a slot that takes the part gets its gradients here.
+//!
+//! The last state's logit may also be made here, `z[t, K−1] = s(‖v_t‖) v_t · w` with the RMS
+//! scale `s(n) = 1 / sqrt(n²/d + ε)` and a column `w` of a weight matrix ([`OwnLogit`]), for a
+//! state that this mixture alone reads (AttnRes's partial sum), whose table would otherwise be a
+//! projection of its own, a pass over the state and an op each way. Its backward, in the pass
+//! that computes `⟨∂h, h⟩`:
+//!
+//! ```text
+//! ∂v_{K−1}[t] = p ∂h[t] + ∂z (s w + s'(n)/n (v_t · w) v_t)      ∂w = Σ_t ∂z s v_t
+//! ```
+//!
+//! with `p = p[t, K−1]`, `∂z = p (⟨∂h[t], v_t⟩ − ⟨∂h[t], h[t]⟩)`. Not differentiable twice.
 
 use std::borrow::Cow;
 
@@ -42,30 +54,37 @@ use burn::tensor::DType;
 use burn_flex::{Flex, FlexTensor};
 use rayon::prelude::*;
 
-use super::UnitsGradient;
 use super::autodiff::{Staged, constant};
 use super::flex_kernels::{
-    Scalar, contiguous, dot, rows_and_width, rows_per_task, tensor, token_row, unwritten, values,
-    write_axpy, write_weighted_sum, written,
+    Scalar, axpy, contiguous, dims, dot, rows_and_width, rows_per_task, tensor, token_row,
+    unwritten, values, write_axpy, write_weighted_sum, written,
 };
 use super::stream_mix::LogitTerm;
+use super::{OwnLogit, RowScale, UnitsGradient};
 
 /// The most states of one fused mixture (its parents, a table and a state each, fill 64).
 const MAX_STATES: usize = 32;
 
 /// `Σ_k softmax_k(tables[k][..., columns[k]]) states[k]` through the fused Flex op, with the
-/// states' gradient slots (`slots[k]`, missing entries none); `None` where it does not apply
-/// (not Flex in f32 or f64, states of different shapes, a table whose leading axes differ
-/// from the states' or without its column, more than [`MAX_STATES`] states), for the caller to
-/// compose.
+/// states' gradient slots (`slots[k]`, missing entries none) and, with `own`, the last state's
+/// logit made here (then one table fewer than states; see [`OwnLogit`]); `None` where it does
+/// not apply (not Flex in f32 or f64, states of different shapes, a table whose leading axes
+/// differ from the states' or without its column, more than [`MAX_STATES`] states, weights
+/// that do not match the states' width), for the caller to compose.
 pub(crate) fn fused_softmax_mix<const D: usize>(
     tables: &[Tensor<D>],
     columns: &[usize],
     states: &[Tensor<D>],
     slots: &[Option<UnitsGradient>],
+    own: Option<&OwnLogit>,
 ) -> Option<Tensor<D>> {
     let count = states.len();
-    if count == 0 || count > MAX_STATES || tables.len() != count || columns.len() != count {
+    let own_count = usize::from(own.is_some());
+    if count == 0
+        || count > MAX_STATES
+        || tables.len() + own_count != count
+        || columns.len() != count
+    {
         return None;
     }
     let shape = states[0].dims();
@@ -77,23 +96,41 @@ pub(crate) fn fused_softmax_mix<const D: usize>(
         && tables.iter().zip(columns).all(|(table, &column)| {
             let dims = table.dims();
             dims[..D - 1] == shape[..D - 1] && column < dims[D - 1] && table.dtype() == dtype
+        })
+        && own.is_none_or(|own| {
+            let [width, queries] = own.weights.dims();
+            width == shape[D - 1] && columns[count - 1] < queries && own.weights.dtype() == dtype
         });
     if !applies {
         return None;
     }
-    // Every input but the last state staged; the last goes in as the op's tensor argument.
+    // Every input but the last state staged (the tables, the own logit's weights, the states);
+    // the last goes in as the op's tensor argument.
     let staged = Staged::default();
-    for input in tables.iter().chain(&states[..count - 1]) {
-        let _ = <Dispatch as SoftmaxMixBackend>::softmax_mix_stage(
-            input.clone().into_dispatch(),
-            staged.clone(),
-        );
+    let stage = |input: FloatTensor<Dispatch>| {
+        let _ = <Dispatch as SoftmaxMixBackend>::softmax_mix_stage(input, staged.clone());
+    };
+    for table in tables {
+        stage(table.clone().into_dispatch());
+    }
+    if let Some(own) = own {
+        stage(own.weights.clone().into_dispatch());
+    }
+    for state in &states[..count - 1] {
+        stage(state.clone().into_dispatch());
     }
     let slots = (0..count)
         .map(|k| slots.get(k).cloned().flatten())
         .collect();
+    let own_scale = own.map(|own| RowScale::rms(shape[D - 1], own.epsilon));
     let last = states[count - 1].clone().into_dispatch();
-    let mixed = <Dispatch as SoftmaxMixBackend>::softmax_mix(last, staged, columns.to_vec(), slots);
+    let mixed = <Dispatch as SoftmaxMixBackend>::softmax_mix(
+        last,
+        staged,
+        columns.to_vec(),
+        slots,
+        own_scale,
+    );
     Some(Tensor::from_dispatch(mixed))
 }
 
@@ -104,12 +141,14 @@ pub(crate) trait SoftmaxMixBackend: Backend {
     fn softmax_mix_stage(input: FloatTensor<Self>, staged: Staged) -> FloatTensor<Self>;
 
     /// `h` for the `K` tables then the first `K − 1` states staged, and the last state; under
-    /// autodiff, the backward may leave state `k`'s part in `slots[k]`.
+    /// autodiff, the backward may leave state `k`'s part in `slots[k]`. With `own`, the last
+    /// "table" is the weights `W` `[d, Q]` of the last state's own logit (see [`OwnLogit`]).
     fn softmax_mix(
         last: FloatTensor<Self>,
         staged: Staged,
         columns: Vec<usize>,
         slots: Vec<Option<UnitsGradient>>,
+        own: Option<RowScale>,
     ) -> FloatTensor<Self>;
 
     /// `[h, p]`: the mixture and its weights `[..., K]` (inputs as [`softmax_mix`](Self::softmax_mix)).
@@ -117,12 +156,17 @@ pub(crate) trait SoftmaxMixBackend: Backend {
         last: FloatTensor<Self>,
         staged: Staged,
         columns: Vec<usize>,
+        own: Option<RowScale>,
     ) -> Vec<FloatTensor<Self>>;
 
     /// The gradients for `∂h` of the `K` tables then the `K` states staged (`p` the weights,
     /// `h` the output): each slot in `leave` takes its state's part, and its table's gradient
     /// is zero where `wanted[k]` (else empty); the others' gradients where `wanted` (table
-    /// `k`, then state `K + k`), empty tensors where not.
+    /// `k`, then state `K + k`), empty tensors where not. A state gradient computed here is
+    /// written as the state's gradient so far (`so_far`: one `Option` per state) plus the op's
+    /// term, so that no add follows. With `own`, the last state's slot takes nothing and the
+    /// last "table"'s gradient is that of the own logit's weights.
+    #[allow(clippy::too_many_arguments)]
     fn softmax_mix_backward(
         staged: Staged,
         columns: Vec<usize>,
@@ -131,21 +175,40 @@ pub(crate) trait SoftmaxMixBackend: Backend {
         grad: FloatTensor<Self>,
         leave: Vec<Option<UnitsGradient>>,
         wanted: Vec<bool>,
+        own: Option<RowScale>,
+        so_far: Staged,
     ) -> Vec<FloatTensor<Self>>;
 }
 
-/// `(h, p)` of the mixture of `states` with logits `tables[k][:, columns[k]]`.
+/// Column `column` of a `[d, Q]` weight matrix, `[d]`.
+fn weights_column<E: Scalar>(weights: &FlexTensor, column: usize) -> Vec<E> {
+    let [_, queries] = dims::<2>(weights);
+    values::<E>(weights)
+        .chunks_exact(queries)
+        .map(|row| row[column])
+        .collect()
+}
+
+/// `(h, p)` of the mixture of `states` with logits `tables[k][:, columns[k]]`, the last one's
+/// made here with `own` (its table then the weights, see [`OwnLogit`]).
 fn forward<E: Scalar>(
     tables: &[FlexTensor],
     columns: &[usize],
     states: &[FlexTensor],
+    own: Option<RowScale>,
 ) -> (FlexTensor, FlexTensor) {
     let (tokens, width) = rows_and_width(&states[0]);
     let count = states.len();
     let shape = states[0].layout().shape().clone();
     let mut weight_shape = shape.clone();
     weight_shape[shape.num_dims() - 1] = count;
-    let tables: Vec<(Cow<'_, [E]>, usize)> = tables
+    let own = own.map(|scale| {
+        (
+            weights_column::<E>(&tables[count - 1], columns[count - 1]),
+            scale,
+        )
+    });
+    let tables: Vec<(Cow<'_, [E]>, usize)> = tables[..count - usize::from(own.is_some())]
         .iter()
         .map(|table| (values::<E>(table), rows_and_width(table).1))
         .collect();
@@ -168,6 +231,10 @@ fn forward<E: Scalar>(
                 // The softmax of the row's logits, its largest subtracted.
                 for ((p, (table, len)), &column) in p.iter_mut().zip(&tables).zip(columns) {
                     *p = table[t * len + column];
+                }
+                if let Some((query, scale)) = &own {
+                    let state = token_row(&states[count - 1], t, width);
+                    p[count - 1] = scale.of_row(state).0 * dot(state, query);
                 }
                 let largest = p.iter().copied().fold(E::neg_infinity(), E::max);
                 let mut sum = E::zero();
@@ -204,18 +271,41 @@ fn backward<E: Scalar>(
     grad: &FlexTensor,
     leave: &[Option<UnitsGradient>],
     wanted: &[bool],
+    own: Option<RowScale>,
+    so_far: &[Option<FlexTensor>],
 ) -> Vec<FlexTensor> {
     let (tokens, width) = rows_and_width(&states[0]);
+    let so_far: Vec<Option<Cow<'_, [E]>>> = so_far
+        .iter()
+        .map(|grad| grad.as_ref().map(values::<E>))
+        .collect();
     let count = states.len();
     let p = values::<E>(weights);
     let h = values::<E>(output);
     let dh = values::<E>(grad);
-    // `⟨∂h, h⟩` per token: the softmax's mean term of every state's `∂z`.
+    // `⟨∂h, h⟩` per token: the softmax's mean term of every state's `∂z`; with the last
+    // state's own logit, that state's gradients in the same pass.
     let mut centre = vec![E::zero(); tokens];
-    centre
-        .par_iter_mut()
-        .enumerate()
-        .for_each(|(t, centre)| *centre = dot(token_row(&dh, t, width), token_row(&h, t, width)));
+    let mut own_grads = match own {
+        Some(scale) => {
+            let query = weights_column::<E>(&tables[count - 1], columns[count - 1]);
+            let last = values::<E>(&states[count - 1]);
+            let rows = OwnRows {
+                grad: &dh,
+                output: &h,
+                state: &last,
+                weights: &p,
+                so_far: so_far[count - 1].as_deref(),
+            };
+            Some(own_backward(rows, &query, scale, &mut centre))
+        }
+        None => {
+            centre.par_iter_mut().enumerate().for_each(|(t, centre)| {
+                *centre = dot(token_row(&dh, t, width), token_row(&h, t, width));
+            });
+            None
+        }
+    };
     let column_of = |k: usize| -> Vec<E> { p.chunks_exact(count).map(|p| p[k]).collect() };
     // Shared by every part left: `∂h` as rows, and `⟨∂h, h⟩`.
     let dh_rows = contiguous(grad.clone()).reshape(Shape::from([tokens, width]));
@@ -225,6 +315,27 @@ fn backward<E: Scalar>(
     let mut state_grads = Vec::with_capacity(count);
     for k in 0..count {
         let (want_table, want_state) = (wanted[k], wanted[count + k]);
+        if k == count - 1
+            && let Some((state_grad, column_grad)) = own_grads.take()
+        {
+            // The own logit's weights, `[d, Q]`, nonzero in their column.
+            table_grads.push(if want_table {
+                let [rows, queries] = dims::<2>(&tables[k]);
+                let mut grad = vec![E::zero(); rows * queries];
+                for (row, value) in grad.chunks_exact_mut(queries).zip(column_grad) {
+                    row[columns[k]] = value;
+                }
+                tensor(grad, [rows, queries])
+            } else {
+                empty()
+            });
+            state_grads.push(if want_state {
+                tensor(state_grad, [tokens, width]).reshape(states[k].layout().shape().clone())
+            } else {
+                empty()
+            });
+            continue;
+        }
         let table_len = rows_and_width(&tables[k]).1;
         let table_shape = tables[k].layout().shape().clone();
         if let Some(slot) = &leave[k] {
@@ -264,7 +375,8 @@ fn backward<E: Scalar>(
                 .par_chunks_mut(width)
                 .enumerate()
                 .for_each(|(t, out)| {
-                    write_axpy(out, None, p[t * count + k], token_row(&dh, t, width));
+                    let base = so_far[k].as_ref().map(|grad| token_row(grad, t, width));
+                    write_axpy(out, base, p[t * count + k], token_row(&dh, t, width));
                 });
             // SAFETY: every row was written whole.
             let state_grad = tensor(unsafe { written(state_grad) }, [tokens, width]);
@@ -275,6 +387,70 @@ fn backward<E: Scalar>(
     }
     table_grads.extend(state_grads);
     table_grads
+}
+
+/// The rows [`own_backward`] reads: `∂h`, `h`, the last state, the weights `p` `[T, K]` and
+/// the last state's gradient so far, if any.
+struct OwnRows<'a, E> {
+    grad: &'a [E],
+    output: &'a [E],
+    state: &'a [E],
+    weights: &'a [E],
+    so_far: Option<&'a [E]>,
+}
+
+/// With the last state's logit made in the op (`z = s(‖v‖) v · w`): `⟨∂h, h⟩` per token into
+/// `centre`, the last state's gradient `p ∂h + ∂z (s w + s'(n)/n (v · w) v)` with
+/// `∂z = p (⟨∂h, v⟩ − ⟨∂h, h⟩)` (plus its gradient so far), and the query's `Σ_t ∂z s v_t`, in
+/// one pass over the rows.
+fn own_backward<E: Scalar>(
+    rows: OwnRows<'_, E>,
+    query: &[E],
+    scale: RowScale,
+    centre: &mut [E],
+) -> (Vec<E>, Vec<E>) {
+    let width = query.len();
+    let count = rows.weights.len() / centre.len().max(1);
+    let per_task = rows_per_task(width);
+    let mut grad = unwritten::<E>(centre.len() * width);
+    let parts: Vec<Vec<E>> = centre
+        .par_chunks_mut(per_task)
+        .zip(grad.par_chunks_mut(per_task * width))
+        .enumerate()
+        .map(|(task, (centre, grad))| {
+            let mut part = vec![E::zero(); width];
+            let mut terms = Vec::with_capacity(4);
+            for (i, (centre, out)) in centre.iter_mut().zip(grad.chunks_mut(width)).enumerate() {
+                let t = task * per_task + i;
+                let dh = token_row(rows.grad, t, width);
+                let v = token_row(rows.state, t, width);
+                *centre = dot(dh, token_row(rows.output, t, width));
+                let weight = rows.weights[t * count + count - 1];
+                let grad_logit = weight * (dot(dh, v) - *centre);
+                let (s, slope) = scale.of_row(v);
+                let along = dot(v, query);
+                terms.clear();
+                terms.extend(
+                    rows.so_far
+                        .map(|grad| (E::one(), token_row(grad, t, width))),
+                );
+                terms.extend([
+                    (weight, dh),
+                    (grad_logit * s, query),
+                    (grad_logit * slope * along, v),
+                ]);
+                write_weighted_sum(out, &terms);
+                axpy(&mut part, grad_logit * s, v);
+            }
+            part
+        })
+        .collect();
+    let mut column = vec![E::zero(); width];
+    for part in &parts {
+        axpy(&mut column, E::one(), part);
+    }
+    // SAFETY: the tasks' chunks partition `grad`, each row written whole.
+    (unsafe { written(grad) }, column)
 }
 
 /// The staged inputs (and the last state, where it came apart) split into the tables and the
@@ -297,8 +473,9 @@ impl SoftmaxMixBackend for Flex {
         staged: Staged,
         columns: Vec<usize>,
         _slots: Vec<Option<UnitsGradient>>,
+        own: Option<RowScale>,
     ) -> FlexTensor {
-        let mut outputs = Self::softmax_mix_weights(last, staged, columns);
+        let mut outputs = Self::softmax_mix_weights(last, staged, columns, own);
         outputs.swap_remove(0)
     }
 
@@ -306,11 +483,12 @@ impl SoftmaxMixBackend for Flex {
         last: FlexTensor,
         staged: Staged,
         columns: Vec<usize>,
+        own: Option<RowScale>,
     ) -> Vec<FlexTensor> {
         let (tables, states) = split_staged::<FlexTensor>(&staged, Some(last));
         let (output, weights) = match states[0].dtype() {
-            DType::F32 => forward::<f32>(&tables, &columns, &states),
-            DType::F64 => forward::<f64>(&tables, &columns, &states),
+            DType::F32 => forward::<f32>(&tables, &columns, &states, own),
+            DType::F64 => forward::<f64>(&tables, &columns, &states, own),
             other => panic!("softmax mix: unsupported dtype {other:?}"),
         };
         vec![output, weights]
@@ -324,14 +502,17 @@ impl SoftmaxMixBackend for Flex {
         grad: FlexTensor,
         leave: Vec<Option<UnitsGradient>>,
         wanted: Vec<bool>,
+        own: Option<RowScale>,
+        so_far: Staged,
     ) -> Vec<FlexTensor> {
         let (tables, states) = split_staged::<FlexTensor>(&staged, None);
+        let so_far = so_far.take::<Option<FlexTensor>>();
         let run = |dtype| match dtype {
             DType::F32 => backward::<f32>(
-                &tables, &columns, &states, &weights, &output, &grad, &leave, &wanted,
+                &tables, &columns, &states, &weights, &output, &grad, &leave, &wanted, own, &so_far,
             ),
             DType::F64 => backward::<f64>(
-                &tables, &columns, &states, &weights, &output, &grad, &leave, &wanted,
+                &tables, &columns, &states, &weights, &output, &grad, &leave, &wanted, own, &so_far,
             ),
             other => panic!("softmax mix: unsupported dtype {other:?}"),
         };
@@ -344,17 +525,19 @@ impl SoftmaxMixBackend for Flex {
 #[derive(Debug)]
 struct FusedSoftmaxMix;
 
-/// What the backward pass keeps: the inputs (the tables then the states), the tables' autodiff
-/// tensors (to find whether one has a gradient yet), the columns, the weights and the output,
-/// and the states' slots.
+/// What the backward pass keeps: the inputs (the tables then the states), the tables' and the
+/// states' autodiff tensors (to find whether one has a gradient yet, and take it), the columns,
+/// the weights and the output, the states' slots and the own logit's scale.
 #[derive(Debug, Clone)]
 struct Kept<B: Backend> {
     inputs: Vec<FloatTensor<B>>,
     tables: Vec<FloatTensor<Autodiff<B>>>,
+    states: Vec<FloatTensor<Autodiff<B>>>,
     columns: Vec<usize>,
     weights: FloatTensor<B>,
     output: FloatTensor<B>,
     slots: Vec<Option<UnitsGradient>>,
+    own: Option<RowScale>,
 }
 
 impl<B: SoftmaxMixBackend, const N: usize> Backward<B, N> for FusedSoftmaxMix {
@@ -369,10 +552,12 @@ impl<B: SoftmaxMixBackend, const N: usize> Backward<B, N> for FusedSoftmaxMix {
         let Kept {
             inputs,
             tables,
+            states,
             columns,
             weights,
             output,
             slots,
+            own,
         } = ops.state;
         let count = tables.len();
         let grad = grads.consume::<B>(&ops.node);
@@ -380,10 +565,15 @@ impl<B: SoftmaxMixBackend, const N: usize> Backward<B, N> for FusedSoftmaxMix {
             .iter()
             .map(Option::is_some)
             .collect();
-        // A slot takes its state's part where its projection claimed it and has not run.
+        // A slot takes its state's part where its projection claimed it and has not run; a
+        // state whose logit the op made has no projection.
         let leave: Vec<Option<UnitsGradient>> = slots
             .into_iter()
-            .map(|slot| slot.filter(UnitsGradient::accepts))
+            .enumerate()
+            .map(|(k, slot)| {
+                let own_logit = own.is_some() && k == count - 1;
+                slot.filter(|slot| !own_logit && slot.accepts())
+            })
             .collect();
         let mut wanted = tracked.clone();
         for k in 0..count {
@@ -393,6 +583,18 @@ impl<B: SoftmaxMixBackend, const N: usize> Backward<B, N> for FusedSoftmaxMix {
                 wanted[count + k] = false;
             }
         }
+        // Each state gradient computed here is written with the gradient so far: no add.
+        let so_far: Vec<Option<FloatTensor<B>>> = states
+            .iter()
+            .enumerate()
+            .map(|(k, state)| {
+                if wanted[count + k] {
+                    grads.remove::<B>(state)
+                } else {
+                    None
+                }
+            })
+            .collect();
         let computed = B::softmax_mix_backward(
             Staged::of(inputs),
             columns,
@@ -401,6 +603,8 @@ impl<B: SoftmaxMixBackend, const N: usize> Backward<B, N> for FusedSoftmaxMix {
             grad,
             leave,
             wanted.clone(),
+            own,
+            Staged::of(so_far),
         );
         for ((parent, wanted), grad) in ops.parents.iter().zip(&wanted).zip(computed) {
             if let (Some(parent), true) = (parent, wanted) {
@@ -415,6 +619,7 @@ fn tracked<B, C, const N: usize>(
     inputs: Vec<FloatTensor<Autodiff<B, C>>>,
     columns: Vec<usize>,
     slots: Vec<Option<UnitsGradient>>,
+    own: Option<RowScale>,
 ) -> FloatTensor<Autodiff<B, C>>
 where
     B: SoftmaxMixBackend,
@@ -422,6 +627,7 @@ where
 {
     let count = inputs.len() / 2;
     let tables: Vec<_> = inputs[..count].to_vec();
+    let states: Vec<_> = inputs[count..].to_vec();
     let nodes: [_; N] =
         std::array::from_fn(|i| inputs[if i < inputs.len() { i } else { 0 }].node());
     let primitives: Vec<FloatTensor<B>> = inputs
@@ -440,22 +646,24 @@ where
     {
         OpsKind::Tracked(prep) => {
             let (last, staged) = split(primitives.clone());
-            let mut outputs = B::softmax_mix_weights(last, staged, columns.clone());
+            let mut outputs = B::softmax_mix_weights(last, staged, columns.clone(), own);
             let weights = outputs.pop().expect("the weights");
             let output = outputs.pop().expect("the mixture");
             let kept = Kept {
                 inputs: primitives,
                 tables,
+                states,
                 columns,
                 weights,
                 output: output.clone(),
                 slots,
+                own,
             };
             prep.finish(kept, output)
         }
         OpsKind::UnTracked(prep) => {
             let (last, staged) = split(primitives);
-            prep.finish(B::softmax_mix(last, staged, columns, Vec::new()))
+            prep.finish(B::softmax_mix(last, staged, columns, Vec::new(), own))
         }
     }
 }
@@ -471,16 +679,17 @@ impl<B: SoftmaxMixBackend, C: CheckpointStrategy> SoftmaxMixBackend for Autodiff
         staged: Staged,
         columns: Vec<usize>,
         slots: Vec<Option<UnitsGradient>>,
+        own: Option<RowScale>,
     ) -> FloatTensor<Self> {
         let mut inputs = staged.take::<FloatTensor<Self>>();
         inputs.push(last);
         match inputs.len() {
-            0..=8 => tracked::<B, C, 8>(inputs, columns, slots),
-            9..=16 => tracked::<B, C, 16>(inputs, columns, slots),
-            17..=32 => tracked::<B, C, 32>(inputs, columns, slots),
+            0..=8 => tracked::<B, C, 8>(inputs, columns, slots, own),
+            9..=16 => tracked::<B, C, 16>(inputs, columns, slots, own),
+            17..=32 => tracked::<B, C, 32>(inputs, columns, slots, own),
             parents => {
                 assert!(parents <= 2 * MAX_STATES, "softmax mix: too many states");
-                tracked::<B, C, 64>(inputs, columns, slots)
+                tracked::<B, C, 64>(inputs, columns, slots, own)
             }
         }
     }
@@ -489,13 +698,14 @@ impl<B: SoftmaxMixBackend, C: CheckpointStrategy> SoftmaxMixBackend for Autodiff
         last: FloatTensor<Self>,
         staged: Staged,
         columns: Vec<usize>,
+        own: Option<RowScale>,
     ) -> Vec<FloatTensor<Self>> {
         let inputs: Vec<FloatTensor<B>> = staged
             .take::<FloatTensor<Self>>()
             .into_iter()
             .map(|input| input.into_primitive())
             .collect();
-        B::softmax_mix_weights(last.into_primitive(), Staged::of(inputs), columns)
+        B::softmax_mix_weights(last.into_primitive(), Staged::of(inputs), columns, own)
             .into_iter()
             .map(constant::<B, C>)
             .collect()
@@ -509,7 +719,14 @@ impl<B: SoftmaxMixBackend, C: CheckpointStrategy> SoftmaxMixBackend for Autodiff
         grad: FloatTensor<Self>,
         leave: Vec<Option<UnitsGradient>>,
         wanted: Vec<bool>,
+        own: Option<RowScale>,
+        so_far: Staged,
     ) -> Vec<FloatTensor<Self>> {
+        let so_far: Vec<Option<FloatTensor<B>>> = so_far
+            .take::<Option<FloatTensor<Self>>>()
+            .into_iter()
+            .map(|grad| grad.map(|grad| grad.into_primitive()))
+            .collect();
         let inputs: Vec<FloatTensor<B>> = staged
             .take::<FloatTensor<Self>>()
             .into_iter()
@@ -524,6 +741,8 @@ impl<B: SoftmaxMixBackend, C: CheckpointStrategy> SoftmaxMixBackend for Autodiff
             grad.into_primitive(),
             leave,
             wanted,
+            own,
+            Staged::of(so_far),
         )
         .into_iter()
         .map(constant::<B, C>)
@@ -550,6 +769,9 @@ mod tests {
         /// The fused projections and mixtures; `slotted`: the states' parts left in their slots
         /// for the projections (else the mixture's own gradients).
         Fused { slotted: bool },
+        /// As `Fused { slotted: true }`, with the last state's logit made in the mixture
+        /// ([`OwnLogit`](super::OwnLogit)) where it is state 2 (AttnRes's partial sum).
+        OwnLogit,
         /// The fused projections, the logits' softmax from tensor ops and the fused token mix
         /// leaving `(W[:, k], ∂m)` in the slots (AttnRes's form where this op does not apply).
         TokenMix,
@@ -585,7 +807,10 @@ mod tests {
                 let queries = tensor(&queries).require_grad();
                 let query_matrix = queries.clone().reshape([WIDTH, 3]);
                 let x: Vec<Tensor<3>> = leaves.iter().map(|leaf| leaf.clone() * 1.5).collect();
-                let slotted = matches!(mixer, Mixer::Fused { slotted: true } | Mixer::TokenMix);
+                let slotted = matches!(
+                    mixer,
+                    Mixer::Fused { slotted: true } | Mixer::TokenMix | Mixer::OwnLogit
+                );
                 let slots: Vec<_> = x
                     .iter()
                     .map(|x| if slotted { state_gradient(x) } else { None })
@@ -618,8 +843,27 @@ mod tests {
                         picked.iter().map(|&k| tables[k].clone()).collect();
                     let states: Vec<Tensor<3>> = picked.iter().map(|&k| x[k].clone()).collect();
                     let slots: Vec<_> = picked.iter().map(|&k| slots[k].clone()).collect();
-                    if let Mixer::Fused { .. } = mixer {
-                        return super::fused_softmax_mix(&tables, &columns, &states, &slots)
+                    if mixer == Mixer::OwnLogit && picked.last() == Some(&2) {
+                        let count = picked.len();
+                        let mut columns = columns.clone();
+                        columns[count - 1] = column;
+                        let mut slots = slots.clone();
+                        slots[count - 1] = None;
+                        let own = super::OwnLogit {
+                            weights: query_matrix.clone(),
+                            epsilon: 1e-6,
+                        };
+                        return super::fused_softmax_mix(
+                            &tables[..count - 1],
+                            &columns,
+                            &states,
+                            &slots,
+                            Some(&own),
+                        )
+                        .expect("applies on Flex");
+                    }
+                    if let Mixer::Fused { .. } | Mixer::OwnLogit = mixer {
+                        return super::fused_softmax_mix(&tables, &columns, &states, &slots, None)
                             .expect("applies on Flex");
                     }
                     let logits = tables
@@ -655,7 +899,7 @@ mod tests {
             };
             let composed = run(Mixer::Composed);
             let fused = [true, false].map(|slotted| Mixer::Fused { slotted });
-            for mixer in fused.into_iter().chain([Mixer::TokenMix]) {
+            for mixer in fused.into_iter().chain([Mixer::TokenMix, Mixer::OwnLogit]) {
                 for (fused, composed) in run(mixer).into_iter().zip(&composed) {
                     fused.assert_approx_eq::<f64>(composed, tolerance);
                 }

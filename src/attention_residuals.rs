@@ -44,7 +44,8 @@
 //! takes `⟨∂h_l, v_i⟩` from each and writes the logits' gradient and
 //! `∂v_i = Σ_l p_{l,i} ∂h_l + (its own term)` in its one pass over the source, so that a mixture
 //! reads each source once forward and not at all backward. The partial sum, read by one mixture
-//! only, gets its logit `w_l · rms(p_l)` and all its gradients inside that mixture's op. On the
+//! only, gets its logit `w_l · rms(p_l)` and all its gradients inside that mixture's op (a
+//! projection of its own where the fused op does not apply: more than 32 sources). On the
 //! CubeCL backends every source has logits for every query (the gathering of the query's column
 //! takes same-width tables) and the gathering and the weighted sum are a kernel each way per
 //! eight sources and the softmax one kernel each way; tensor ops elsewhere.
@@ -144,15 +145,15 @@ pub struct AttentionResiduals {
     pub num_blocks: usize,
 }
 
-/// A completed source with its logits for every query.
+/// A completed source with its logits for the queries that may read it.
 #[derive(Debug, Clone)]
 struct Source<const D: usize> {
     value: Tensor<D>,
-    /// `w_c · k(v)` for every query column `c` (`[..., Q]`): one matrix product when the source
-    /// is complete, where each block's mixture would otherwise take a product and a sum per
-    /// source.
+    /// `w_c · k(v)` for the query columns `c` from `first_column` on (`[..., Q − first_column]`):
+    /// one matrix product when the source is complete, where each block's mixture would
+    /// otherwise take a product and a sum per source.
     logits: Tensor<D>,
-    /// The query column of `logits`' first column.
+    /// The query column of `logits`' first column (0 where every source has every column).
     first_column: usize,
     /// Where the fused ops run under autodiff: the slot in which every mixture reading the
     /// source leaves its term of the source's gradient, for the logits' backward to write the
@@ -215,8 +216,8 @@ impl AttentionResiduals {
         all.transpose()
     }
 
-    /// `k(v) · W` for every query column: `[..., Q]`; its backward writes `v`'s gradient with
-    /// the terms left in `gradient`.
+    /// `k(v) · W` for the query columns `W` (`[d, C]`): `[..., C]`; its backward writes `v`'s
+    /// gradient with the terms left in `gradient`.
     fn logits<const D: usize>(
         &self,
         value: &Tensor<D>,
@@ -493,11 +494,12 @@ impl<const D: usize> StreamConnectivity<D> for AttentionResiduals {
 #[cfg(test)]
 mod tests {
     use burn::tensor::Distribution;
+    use burn::tensor::activation::softmax;
 
     use super::*;
     use crate::block::Block;
     use crate::connectivity::probe_matrix;
-    use crate::test_util::{WIDTH, assert_close, blocks, input};
+    use crate::test_util::{WIDTH, assert_close, assert_tensors_close, blocks, input};
 
     const BLOCKS: usize = 5;
 
@@ -583,6 +585,115 @@ mod tests {
         let (a, b) = (logit(&x).exp(), logit(&v1).exp());
         let expected = (x * a.clone() + v1 * b.clone()) / (a + b);
         assert_close(connectivity.block_input(&state), expected);
+    }
+
+    /// The output by the module docs' equations, as tensor ops: the sources and the partial
+    /// sum, `softmax_s(w · rms(s))` over them before each block, the output attending with
+    /// `w_out`.
+    fn by_the_equations(
+        x: Tensor<3>,
+        queries: Tensor<2>,
+        output_query: Tensor<1>,
+        block_size: usize,
+        branch: impl Fn(Tensor<3>) -> Tensor<3>,
+    ) -> Tensor<3> {
+        let depth = queries.dims()[0];
+        let mix = |sources: &[Tensor<3>], query: Tensor<1>| {
+            let query = query.reshape([1, 1, WIDTH]);
+            let logits = sources
+                .iter()
+                .map(|s| {
+                    let key = s.clone() / (s.clone().square().mean_dim(2) + 1e-6).sqrt();
+                    (key * query.clone()).sum_dim(2)
+                })
+                .collect();
+            let weights = softmax(Tensor::cat(logits, 2), 2);
+            sources
+                .iter()
+                .enumerate()
+                .map(|(i, s)| s.clone() * weights.clone().narrow(2, i, 1))
+                .reduce(|sum, term| sum + term)
+                .expect("a source")
+        };
+        let mut sources = vec![x.clone()];
+        let mut partial: Option<Tensor<3>> = None;
+        let mut input = x;
+        for block in 0..depth {
+            let value = branch(input.clone());
+            let sum = match partial.take() {
+                Some(sum) => sum + value,
+                None => value,
+            };
+            if (block + 1) % block_size == 0 {
+                sources.push(sum);
+            } else {
+                partial = Some(sum);
+            }
+            if block + 1 < depth {
+                let all: Vec<Tensor<3>> = sources.iter().cloned().chain(partial.clone()).collect();
+                input = mix(
+                    &all,
+                    queries.clone().narrow(0, block + 1, 1).reshape([WIDTH]),
+                );
+            }
+        }
+        let all: Vec<Tensor<3>> = sources.into_iter().chain(partial).collect();
+        mix(&all, output_query)
+    }
+
+    /// Full and block AttnRes deep enough that their last mixtures read more sources than one
+    /// fused mixture takes (33 and up: each source's own columns gathered, the partial sum's
+    /// logit a projection of its own), with random queries, against [`by_the_equations`]: the
+    /// output and the gradients of the input and of both kinds of query agree.
+    #[test]
+    fn deep_stacks_follow_the_equations() {
+        let device = Device::default().autodiff();
+        let branch = |h: Tensor<3>| (h * 0.7).tanh();
+        let normal = Distribution::Normal(0.0, 1.0);
+        for (block_size, depth) in [(1, 36), (2, 64)] {
+            let queries = Tensor::<2>::random([depth, WIDTH], normal, &device);
+            let output_query = Tensor::<1>::random([WIDTH], normal, &device);
+            let probe = Tensor::<3>::random([2, 3, WIDTH], normal, &device);
+            let run = |by_hand: bool| {
+                let x = input(&device).require_grad();
+                let queries = queries.clone().require_grad();
+                let output_query = output_query.clone().require_grad();
+                let output = if by_hand {
+                    by_the_equations(
+                        x.clone(),
+                        queries.clone(),
+                        output_query.clone(),
+                        block_size,
+                        branch,
+                    )
+                } else {
+                    let mut connectivity = AttentionResidualsConfig::new(WIDTH)
+                        .with_block_size(block_size)
+                        .init(depth, &device)
+                        .expect("valid config");
+                    connectivity.queries = Param::from_tensor(queries.clone());
+                    connectivity.output_query = Some(Param::from_tensor(output_query.clone()));
+                    let mut state = StreamConnectivity::<3>::start(&connectivity, x.clone());
+                    for block in 0..depth {
+                        let value = branch(connectivity.block_input(&state));
+                        state = connectivity.step(state, block, value);
+                    }
+                    connectivity.output(&state)
+                };
+                let grads = (output.clone() * probe.clone()).sum().backward();
+                vec![
+                    output.into_data(),
+                    x.grad(&grads).expect("x is read").into_data(),
+                    queries.grad(&grads).expect("queries are read").into_data(),
+                    output_query
+                        .grad(&grads)
+                        .expect("w_out is read")
+                        .into_data(),
+                ]
+            };
+            let case = format!("k = {block_size}, {depth} blocks");
+            assert_tensors_close(&run(false), &run(true), 1e-4, &case);
+        }
     }
 
     #[test]

@@ -1,6 +1,6 @@
 //! A softmax mixture of states whose logits are one column of a table per state, as one fused
-//! op each way on Flex (f32, f64): AttnRes's mixtures, whose sources' logits for every query
-//! are one table per source.
+//! op each way on Flex (f32, f64): AttnRes's mixtures, whose sources' logits for the queries
+//! that read them are one table per source.
 //!
 //! For states `v_0 … v_{K−1}` `[..., d]` (rows `t`) and tables `L_k` `[..., Q_k]`, column `c_k`
 //! of table `k` holding state `k`'s logits:
@@ -26,7 +26,8 @@
 //! (mixture, state) pair then costs a pass over the state forward and one over `∂h` backward,
 //! where the composed backward reads the state, and the state's gradient is written once. The
 //! table gets a zero gradient (once) so that the projection's backward finds one. A state
-//! without a slot that takes the part gets its gradients here.
+//! without a slot that takes the part gets its gradients here, its gradient written onto its
+//! gradient so far (taken out of autodiff's) so that no add follows.
 //!
 //! The last state's logit may also be made here, `z[t, K−1] = s(‖v_t‖) v_t · w` with the RMS
 //! scale `s(n) = 1 / sqrt(n²/d + ε)` and a column `w` of a weight matrix ([`OwnLogit`]), for a
@@ -756,7 +757,6 @@ mod tests {
     use burn::tensor::activation::softmax;
     use burn::tensor::{Distribution, FloatDType, TensorData, Tolerance};
 
-    use super::super::units::{RowScale, composed_normed_projection};
     use super::super::{rms_projection_writing, state_gradient, token_mix, token_mix_leaving};
 
     const WIDTH: usize = 20;
@@ -770,7 +770,7 @@ mod tests {
         /// for the projections (else the mixture's own gradients).
         Fused { slotted: bool },
         /// As `Fused { slotted: true }`, with the last state's logit made in the mixture
-        /// ([`OwnLogit`](super::OwnLogit)) where it is state 2 (AttnRes's partial sum).
+        /// ([`OwnLogit`](super::OwnLogit)) where it is state 2 or 4 (AttnRes's partial sum).
         OwnLogit,
         /// The fused projections, the logits' softmax from tensor ops and the fused token mix
         /// leaving `(W[:, k], ∂m)` in the slots (AttnRes's form where this op does not apply).
@@ -778,12 +778,17 @@ mod tests {
     }
 
     /// Mixtures over states and their logits tables as AttnRes makes them (a projection of each
-    /// state onto three queries; one state's table a projection of its own onto one): values
-    /// and the gradients of every tracked state and of the queries equal the composed form's,
-    /// with a state read by three mixtures, one untracked (its table still tracked through the
-    /// queries) and a state whose table has one column.
+    /// state onto the queries from its first reader's on, one to three columns; RMS keys with a
+    /// large `ε`, written out as tensor ops in the composed form): values and the gradients of
+    /// every tracked state and of the queries equal the composed form's, with a state read by
+    /// three mixtures, one untracked (its table still tracked through the queries), and in the
+    /// `OwnLogit` form the last state's logit made in the mixture at each query column, for a
+    /// state read by two mixtures and by an add and for one read by one mixture alone.
     #[test]
     fn fused_equals_composed_with_and_without_slots() {
+        const EPSILON: f64 = 0.5;
+        // The first query column of each state's table (AttnRes's `first_column`).
+        const FIRST: [usize; 5] = [0, 1, 1, 0, 0];
         let device = Device::flex().autodiff();
         for dtype in [FloatDType::F32, FloatDType::F64] {
             let normal = Distribution::Normal(0.0, 1.0);
@@ -792,7 +797,7 @@ mod tests {
                     .cast(dtype)
                     .into_data()
             };
-            let leaves: Vec<TensorData> = (0..4).map(|_| random([2, 9, WIDTH])).collect();
+            let leaves: Vec<TensorData> = (0..5).map(|_| random([2, 9, WIDTH])).collect();
             let queries = random([1, WIDTH, 3]);
             let probes: Vec<TensorData> = (0..3).map(|_| random([2, 9, WIDTH])).collect();
             let run = |mixer: Mixer| {
@@ -802,7 +807,7 @@ mod tests {
                 let leaves: Vec<Tensor<3>> = leaves
                     .iter()
                     .enumerate()
-                    .map(|(k, leaf)| tensor(leaf).set_require_grad(k < 3))
+                    .map(|(k, leaf)| tensor(leaf).set_require_grad(k != 3))
                     .collect();
                 let queries = tensor(&queries).require_grad();
                 let query_matrix = queries.clone().reshape([WIDTH, 3]);
@@ -816,45 +821,46 @@ mod tests {
                     .map(|x| if slotted { state_gradient(x) } else { None })
                     .collect();
                 assert_eq!(slots.iter().all(Option::is_some), slotted);
-                let project = |k: usize, weights: Tensor<2>| {
-                    let rows = x[k].clone().reshape([18, WIDTH]);
-                    let columns = weights.dims()[1];
-                    let projected = match mixer {
-                        Mixer::Composed => {
-                            composed_normed_projection(rows, weights, RowScale::rms(WIDTH, 1e-6))
+                // States 2 and 4 are the last of their mixtures: their logits made there.
+                let own_logit = |k: usize| mixer == Mixer::OwnLogit && (k == 2 || k == 4);
+                let tables: Vec<Option<Tensor<3>>> = (0..5)
+                    .map(|k| {
+                        if own_logit(k) {
+                            return None;
                         }
-                        _ => rms_projection_writing(rows, weights, 1e-6, slots[k].as_ref()),
-                    };
-                    projected.reshape([2, 9, columns])
-                };
-                // State 2's table is its logit for the third query alone.
-                let tables: Vec<Tensor<3>> = (0..4)
-                    .map(|k| match k {
-                        2 => project(k, query_matrix.clone().narrow(1, 2, 1)),
-                        _ => project(k, query_matrix.clone()),
+                        let rows = x[k].clone().reshape([18, WIDTH]);
+                        let weights = query_matrix.clone().narrow(1, FIRST[k], 3 - FIRST[k]);
+                        let columns = weights.dims()[1];
+                        let projected = match mixer {
+                            Mixer::Composed => {
+                                let scale = (rows.clone().square().mean_dim(1) + EPSILON).sqrt();
+                                (rows / scale).matmul(weights)
+                            }
+                            _ => rms_projection_writing(rows, weights, EPSILON, slots[k].as_ref()),
+                        };
+                        Some(projected.reshape([2, 9, columns]))
                     })
                     .collect();
                 let mix = |column: usize, picked: &[usize]| {
-                    let columns: Vec<usize> = picked
-                        .iter()
-                        .map(|&k| if k == 2 { 0 } else { column })
-                        .collect();
-                    let tables: Vec<Tensor<3>> =
-                        picked.iter().map(|&k| tables[k].clone()).collect();
+                    let count = picked.len();
+                    let last = picked[count - 1];
+                    let mut columns: Vec<usize> =
+                        picked.iter().map(|&k| column - FIRST[k]).collect();
                     let states: Vec<Tensor<3>> = picked.iter().map(|&k| x[k].clone()).collect();
-                    let slots: Vec<_> = picked.iter().map(|&k| slots[k].clone()).collect();
-                    if mixer == Mixer::OwnLogit && picked.last() == Some(&2) {
-                        let count = picked.len();
-                        let mut columns = columns.clone();
+                    let mut slots: Vec<_> = picked.iter().map(|&k| slots[k].clone()).collect();
+                    if own_logit(last) {
+                        let tables: Vec<Tensor<3>> = picked[..count - 1]
+                            .iter()
+                            .map(|&k| tables[k].clone().expect("a table"))
+                            .collect();
                         columns[count - 1] = column;
-                        let mut slots = slots.clone();
                         slots[count - 1] = None;
                         let own = super::OwnLogit {
                             weights: query_matrix.clone(),
-                            epsilon: 1e-6,
+                            epsilon: EPSILON,
                         };
                         return super::fused_softmax_mix(
-                            &tables[..count - 1],
+                            &tables,
                             &columns,
                             &states,
                             &slots,
@@ -862,7 +868,11 @@ mod tests {
                         )
                         .expect("applies on Flex");
                     }
-                    if let Mixer::Fused { .. } | Mixer::OwnLogit = mixer {
+                    let tables: Vec<Tensor<3>> = picked
+                        .iter()
+                        .map(|&k| tables[k].clone().expect("a table"))
+                        .collect();
+                    if let Mixer::Fused { .. } = mixer {
                         return super::fused_softmax_mix(&tables, &columns, &states, &slots, None)
                             .expect("applies on Flex");
                     }
@@ -877,8 +887,8 @@ mod tests {
                         _ => token_mix::composed(weights, states),
                     }
                 };
-                let first = mix(0, &[0, 1]);
-                let second = mix(1, &[0, 1, 3]);
+                let first = mix(0, &[0, 3, 4]);
+                let second = mix(1, &[0, 1, 3, 2]);
                 let third = mix(2, &[0, 1, 3, 2]) + x[2].clone();
                 let loss = (first * tensor(&probes[0])).sum()
                     + (second * tensor(&probes[1])).sum()
@@ -886,9 +896,11 @@ mod tests {
                 let grads = loss.backward();
                 let mut out = vec![third.into_data()];
                 out.extend(
-                    leaves[..3]
+                    leaves
                         .iter()
-                        .map(|l| l.grad(&grads).unwrap().into_data()),
+                        .enumerate()
+                        .filter(|&(k, _)| k != 3)
+                        .map(|(_, l)| l.grad(&grads).unwrap().into_data()),
                 );
                 out.push(queries.grad(&grads).unwrap().into_data());
                 out

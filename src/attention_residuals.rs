@@ -166,7 +166,8 @@ struct Source<const D: usize> {
 pub struct AttentionResidualsState<const D: usize> {
     /// The completed sources: `x` and the branch outputs (full) or the group sums (block).
     sources: Vec<Source<D>>,
-    /// The current group's partial sum, `None` while it is empty.
+    /// The current group's partial sum, `None` while it is empty (after the last block with
+    /// output `Sum`, also the last group, complete: no query reads it).
     partial: Option<Tensor<D>>,
     /// The input of the next block.
     input: Tensor<D>,
@@ -337,7 +338,11 @@ impl AttentionResiduals {
             Some(sum) => sum + value,
             None => value,
         };
-        let partial = if done.is_multiple_of(self.block_size) {
+        // A group completed after `done` blocks is read by the queries of columns `done` and
+        // up; after the last block with output `Sum` there are none, and the group stays the
+        // partial sum, which the output adds like a source, without logits nobody reads.
+        let read = done < queries.dims()[1];
+        let partial = if done.is_multiple_of(self.block_size) && read {
             sources.push(self.source(partial, &queries, done, narrow_logits));
             None
         } else {

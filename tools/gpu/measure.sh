@@ -19,6 +19,8 @@
 #   cuda-train      the model workload's train step on CUDA, the targets' variants
 #   cuda-forward    its forward pass
 #   cuda-profile    per-kernel times of one HC and one mHC train step (CUBECL_DEBUG_OPTION=profile)
+#   profile-targets the same for H-ACN, ANCRe and DWA (never profiled on a GPU: H-ACN missed
+#                   its 1.02x by 0.001 in the fifth lease)
 #   profile-groups  the same for mHC with each row group in $ROW_GROUPS (default "4 2"): the
 #                   units per row of the tiled row kernels (BURN_CONNECTIVITY_ROW_GROUP)
 #   profile-product the same for HC and mHC with each form of the weights' gradient in
@@ -227,6 +229,7 @@ run_stage() {
     cuda-train) bench 150 cuda train-step "$TARGETS" ;;
     cuda-forward) bench 100 cuda forward "$TARGETS" ;;
     cuda-profile) profile hc,mhc ;;
+    profile-targets) profile hacn,ancre,dwa ;;
     profile-groups)
         for group in ${ROW_GROUPS:-4 2}; do
             echo "## row group $group" >>"$OUT/profile.log"

@@ -16,6 +16,9 @@
 # forward pass of six variants on CUDA, 105 s for their train step, over 170 s for every
 # variant on Vulkan):
 #   peer            PyTorch's residual, lucidrains' HC and mHC, model workload (about 15 s)
+#   floors          PyTorch's times for the connection tables' products, norms and one pass
+#                   over the rows at HC's and mHC's shapes (tools/peer/kernel_floors.py): what
+#                   the crate's table kernels compare with (a few seconds)
 #   cuda-train      the model workload's train step on CUDA, the targets' variants
 #   cuda-forward    its forward pass
 #   cuda-profile    per-kernel times of one HC and one mHC train step (CUBECL_DEBUG_OPTION=profile)
@@ -226,6 +229,10 @@ run_stage() {
     peer)
         step 40 python3 tools/peer/hyper_connections_peer.py --device cuda --workload model \
             --runs 7 --warmup 3 >>"$OUT/bench.jsonl" 2>>"$OUT/bench.log" ;;
+    floors)
+        step 60 python3 tools/peer/kernel_floors.py --device cuda >>"$OUT/bench.jsonl" \
+            2>>"$OUT/bench.log"
+        grep -a 'GB/s' "$OUT/bench.log" | tail -14 ;;
     cuda-train) bench 150 cuda train-step "$TARGETS" ;;
     cuda-forward) bench 100 cuda forward "$TARGETS" ;;
     cuda-profile) profile hc,mhc ;;

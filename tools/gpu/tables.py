@@ -11,10 +11,14 @@ from pathlib import Path
 
 out = Path(sys.argv[1])
 rows = defaultdict(dict)  # (device, workload) -> variant -> ms
+floors = []
 for line in (out / "bench.jsonl").read_text().splitlines():
     if not line.startswith("{"):
         continue
     rec = json.loads(line)
+    if "floor" in rec:  # kernel_floors.py's records: a table of their own below
+        floors.append(rec)
+        continue
     device = rec["device"]
     if "torch" in rec:
         device = f"pytorch-{device}"
@@ -28,3 +32,14 @@ for (device, workload), by_variant in sorted(rows.items()):
     for variant, ms in by_variant.items():
         ratio = f"{ms / base:.3f}" if base else "-"
         print(f"| {variant} | {ms:.2f} | {ratio} |")
+
+if floors:
+    print(f"\nPyTorch's floors on {floors[0]['device']} (tools/peer/kernel_floors.py)")
+    print("| shape | R | w | C | op | TF32 | ms | GB/s of x |")
+    print("|---|---|---|---|---|---|---|---|")
+    for rec in floors:
+        print(
+            f"| {rec['shape']} | {rec['rows']} | {rec['width']} | {rec['columns']} | "
+            f"{rec['floor']} | {'on' if rec['tf32'] else 'off'} | {rec['ms']:.4f} | "
+            f"{rec['gb_per_s']:.0f} |"
+        )

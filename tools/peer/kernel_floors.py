@@ -102,7 +102,7 @@ def main():
                 ms = statistics.median(times)
                 # Bytes any form must move: x read once (grad_x: its [R, w] output written
                 # once; copy: both).
-                moved = x.numel() * x.element_size() * (2 if op in ("copy",) else 1)
+                moved = x.numel() * x.element_size() * (2 if op == "copy" else 1)
                 record = {
                     "floor": op,
                     "shape": shape,

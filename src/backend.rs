@@ -31,6 +31,8 @@ mod connection_tables;
 pub(crate) use connection_tables::{Gated, Normalised, TableForm};
 #[cfg(feature = "cube-kernels")]
 mod cube_launch;
+#[cfg(all(test, feature = "cube-kernels"))]
+pub(crate) use cube_launch::{Knobs, ProductPath, ProjectionPath, with_knobs};
 #[cfg(feature = "flex")]
 pub(crate) mod fft_conv;
 #[cfg(feature = "flex")]

@@ -290,7 +290,7 @@ pub fn assert_table_kernels_match_composed<M: crate::multi_stream::MultiStream>(
     parameters: impl Fn(&burn::tensor::Gradients) -> Vec<TensorData>,
     case: &str,
 ) {
-    use crate::backend::{LayerOps, UnitOps};
+    use crate::backend::{Knobs, LayerOps, ProductPath, ProjectionPath, UnitOps, with_knobs};
     use crate::multi_stream::MixingLayer;
     let device = connectivity
         .devices()
@@ -354,12 +354,31 @@ pub fn assert_table_kernels_match_composed<M: crate::multi_stream::MultiStream>(
         results.extend(parameters(&grads));
         results
     };
-    let mut kernels = run(UnitOps::Kernels.layer());
     let mut composed = run(LayerOps::composed());
-    kernels.extend(run_layer(UnitOps::Kernels.layer()));
     composed.extend(run_layer(LayerOps::composed()));
+    // The kernels' default forms, then the other forms a GPU measurement may pick
+    // (`cube_launch::Knobs`): two units per row, Burn's matmul for the projections.
+    let other_forms = Knobs {
+        row_group: 2,
+        weights_product: ProductPath::Matmul,
+        table_projection: ProjectionPath::Matmul,
+    };
+    for knobs in [Knobs::default(), other_forms] {
+        let kernels = with_knobs(knobs, || {
+            let mut kernels = run(UnitOps::Kernels.layer());
+            kernels.extend(run_layer(UnitOps::Kernels.layer()));
+            kernels
+        });
+        assert_kernels_match(&kernels, &composed, &format!("{case}, {knobs:?}"));
+    }
+}
+
+/// Each of `kernels` equal to the same entry of `composed` within a tolerance scaled to the
+/// entry's largest magnitude; a failure names `case` and the entry.
+#[cfg(feature = "wgpu")]
+fn assert_kernels_match(kernels: &[TensorData], composed: &[TensorData], case: &str) {
     assert_eq!(kernels.len(), composed.len());
-    for (index, (kernel, composed)) in kernels.iter().zip(&composed).enumerate() {
+    for (index, (kernel, composed)) in kernels.iter().zip(composed).enumerate() {
         let largest = composed
             .iter::<f32>()
             .fold(1.0f32, |largest, value| largest.max(value.abs()));

@@ -52,6 +52,12 @@
 //! `∂v = (1 + γ) ⊙ H[:, K]`, `∂γ = Σ_c [W | v] ⊙ H` (gated) or `∂Φ = H` (normalised); the
 //! scalars' and static parts' gradients are sums over the rows of per-row terms.
 //!
+//! A measurement knob (`BURN_CONNECTIVITY_TABLE_PROJECTION=matmul`, read once per process:
+//! `cube_launch::Knobs`) moves the normalised form's products with `Φ` to Burn's matmul: forward
+//! `xΦ` before the kernel, which then passes over the rows only for `‖x‖²`; backward
+//! `(s δ) Φᵀ` after the kernel, and one more kernel adds the other terms of `∂x` to it. Same
+//! values (the tests run both forms); which is faster on a GPU is what the knob is for.
+//!
 //! Which passes use the kernels is decided once per forward pass, with the unit ops
 //! ([`UnitOps`](super::UnitOps)): the passes of the unit kernels (at most
 //! [`MAX_UNITS`](super::unit_kernels::MAX_UNITS) units). Not differentiable twice.

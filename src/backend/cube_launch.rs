@@ -38,24 +38,10 @@ const TILE_SHARED_BYTES: usize = 24 * 1024;
 /// Units that stride one row in the tiled row kernels.
 const ROW_GROUP: usize = 8;
 
-/// [`ROW_GROUP`], or `BURN_CONNECTIVITY_ROW_GROUP` (a power of two from 2 to 32) where set: a
-/// tuning knob for measuring the tiled kernels on a GPU, read once per process (any other value
-/// leaves the default). On an H200, 16 and 32 were slower than 8 (BENCHMARKS.md, fifth lease).
-fn row_group() -> usize {
-    static GROUP: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *GROUP.get_or_init(|| {
-        std::env::var("BURN_CONNECTIVITY_ROW_GROUP")
-            .ok()
-            .and_then(|value| value.parse::<usize>().ok())
-            .filter(|group| group.is_power_of_two() && (2..=32).contains(group))
-            .unwrap_or(ROW_GROUP)
-    })
-}
-
 /// How [`weights_product`] runs: Burn's matmul, or its own two kernels taking `rows_per_step`
 /// rows of `x` per step of a unit's loop.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum ProductPath {
+pub(crate) enum ProductPath {
     Matmul,
     Kernel { rows_per_step: usize },
 }
@@ -64,25 +50,123 @@ enum ProductPath {
 /// has a step's rows in flight rather than one row's (not yet measured on a GPU).
 const PRODUCT_ROWS_PER_STEP: usize = 8;
 
-/// [`ProductPath::Kernel`] with [`PRODUCT_ROWS_PER_STEP`], or `BURN_CONNECTIVITY_WEIGHTS_PRODUCT`
-/// where set: `matmul` (Burn's matmul; faster than the crate's kernel for mHC's shape and ten
-/// times slower for HC's, measured on different GPUs) or the rows per step, a power of two from 1
-/// (the kernel before the steps) to 16. A knob for measuring the forms on one GPU, read once per
-/// process; any other value leaves the default.
-fn product_path() -> ProductPath {
-    static PATH: std::sync::OnceLock<ProductPath> = std::sync::OnceLock::new();
-    *PATH.get_or_init(|| {
-        let value = std::env::var("BURN_CONNECTIVITY_WEIGHTS_PRODUCT").unwrap_or_default();
-        if value == "matmul" {
-            return ProductPath::Matmul;
+/// How the normalised table's kernels multiply by `Φ`: through their own tiles of `Φ` in shared
+/// memory (forward `xΦ`, backward `(s δ) Φᵀ` inside the kernels), or with Burn's matmul (tensor
+/// cores where the runtime uses them), after which the forward passes over the rows only for
+/// their sums of squares and the backward adds the other terms of `∂x` in a pass of its own.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum ProjectionPath {
+    Tiles,
+    Matmul,
+}
+
+/// The forms of the tiled kernels that a GPU measurement compares, each with an environment
+/// variable, read once per process (a value out of range leaves the default):
+/// - `row_group`, `BURN_CONNECTIVITY_ROW_GROUP`: units per row of the tiled row kernels, a power
+///   of two from 2 to 32 (default [`ROW_GROUP`]; on an H200, 16 and 32 were slower than 8,
+///   BENCHMARKS.md, fifth lease);
+/// - `weights_product`, `BURN_CONNECTIVITY_WEIGHTS_PRODUCT`: `matmul` (Burn's matmul; faster
+///   than the crate's kernel for mHC's shape and ten times slower for HC's, measured on
+///   different GPUs) or the kernel's rows per step, a power of two from 1 (the kernel before the
+///   steps) to 16 (default [`PRODUCT_ROWS_PER_STEP`]);
+/// - `table_projection`, `BURN_CONNECTIVITY_TABLE_PROJECTION`: `matmul` or `tiles` (default),
+///   for the normalised table's products with `Φ` (mHC's, V4's, mHC-lite's).
+///
+/// The tests run the kernels with other knobs too (`with_knobs`, in test builds).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Knobs {
+    pub row_group: usize,
+    pub weights_product: ProductPath,
+    pub table_projection: ProjectionPath,
+}
+
+impl Default for Knobs {
+    fn default() -> Self {
+        Self {
+            row_group: ROW_GROUP,
+            weights_product: ProductPath::Kernel {
+                rows_per_step: PRODUCT_ROWS_PER_STEP,
+            },
+            table_projection: ProjectionPath::Tiles,
         }
-        let rows_per_step = value
+    }
+}
+
+impl Knobs {
+    /// The defaults, with each variable that is set to a valid value in its place.
+    fn from_env() -> Self {
+        let read = |name: &str| std::env::var(name).unwrap_or_default();
+        let defaults = Self::default();
+        let row_group = read("BURN_CONNECTIVITY_ROW_GROUP")
             .parse::<usize>()
             .ok()
-            .filter(|rows| rows.is_power_of_two() && *rows <= 16)
-            .unwrap_or(PRODUCT_ROWS_PER_STEP);
-        ProductPath::Kernel { rows_per_step }
-    })
+            .filter(|group| group.is_power_of_two() && (2..=32).contains(group))
+            .unwrap_or(defaults.row_group);
+        let product = read("BURN_CONNECTIVITY_WEIGHTS_PRODUCT");
+        let weights_product = match product.as_str() {
+            "matmul" => ProductPath::Matmul,
+            rows => rows
+                .parse::<usize>()
+                .ok()
+                .filter(|rows| rows.is_power_of_two() && *rows <= 16)
+                .map_or(defaults.weights_product, |rows_per_step| {
+                    ProductPath::Kernel { rows_per_step }
+                }),
+        };
+        let table_projection = match read("BURN_CONNECTIVITY_TABLE_PROJECTION").as_str() {
+            "matmul" => ProjectionPath::Matmul,
+            _ => defaults.table_projection,
+        };
+        Self {
+            row_group,
+            weights_product,
+            table_projection,
+        }
+    }
+}
+
+/// The knobs [`with_knobs`] puts in place, and the lock that holds one such test at a time.
+#[cfg(test)]
+static TEST_KNOBS: std::sync::Mutex<Option<Knobs>> = std::sync::Mutex::new(None);
+#[cfg(test)]
+static TEST_KNOBS_HELD: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// The knobs of this process (see [`Knobs`]).
+pub(crate) fn knobs() -> Knobs {
+    #[cfg(test)]
+    if let Some(knobs) = *TEST_KNOBS
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+    {
+        return knobs;
+    }
+    static KNOBS: std::sync::OnceLock<Knobs> = std::sync::OnceLock::new();
+    *KNOBS.get_or_init(Knobs::from_env)
+}
+
+/// Runs `run` with `knobs` in place of the process's, then restores them, also on a panic.
+///
+/// Process-wide, not per thread: a device's kernels are launched from its runner thread, not the
+/// test's. `run` must read back what it checks, so that its kernels run before the knobs go.
+/// Other tests that run meanwhile get the same knobs: the forms compute the same values.
+#[cfg(test)]
+pub(crate) fn with_knobs<R>(knobs: Knobs, run: impl FnOnce() -> R) -> R {
+    struct Restore;
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            *TEST_KNOBS
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner) = None;
+        }
+    }
+    let _held = TEST_KNOBS_HELD
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    *TEST_KNOBS
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(knobs);
+    let _restore = Restore;
+    run()
 }
 
 /// Units per cube of the tiled row kernels (at most).
@@ -123,7 +207,7 @@ impl RowTiles {
         loop {
             let tiles = Self {
                 threads,
-                group: row_group().min(threads),
+                group: knobs().row_group.min(threads),
                 padded,
                 shared: (threads * padded).max(threads * slots),
             };
@@ -197,9 +281,9 @@ const PRODUCT_ROWS: usize = 32;
 /// train step at `R = 32768, w = 768, C = 5` (the residual's whole block: 4.9 ms), 0.13 ms for
 /// mHC's `R = 8192, w = 3072, C = 24`, where this kernel with one row per step takes 0.25 ms on
 /// an H200. `BURN_CONNECTIVITY_WEIGHTS_PRODUCT` picks the matmul or the rows per step, to
-/// measure the forms on one GPU ([`product_path`]).
+/// measure the forms on one GPU ([`Knobs`]).
 pub(crate) fn weights_product(rows: CubeTensor, scaled_grad: CubeTensor) -> CubeTensor {
-    let rows_per_step = match product_path() {
+    let rows_per_step = match knobs().weights_product {
         ProductPath::Matmul => {
             return Cube::float_matmul(Cube::float_swap_dims(rows, 0, 1), scaled_grad);
         }

@@ -30,6 +30,10 @@
 #                   $PRODUCTS (default "matmul 1"; BURN_CONNECTIVITY_WEIGHTS_PRODUCT): Burn's
 #                   matmul, or the crate's kernels with that many rows per step (default 8;
 #                   1 is the kernel the fifth lease measured)
+#   profile-projection  the same for mHC with Burn's matmul for the normalised table's products
+#                   with its weights (BURN_CONNECTIVITY_TABLE_PROJECTION=matmul: forward xΦ,
+#                   backward (s δ)Φᵀ), then with the weights' gradient through the matmul too
+#   tables-matmul   the train step of mHC and V4 on CUDA with both of those matmuls
 #   conformance     the golden vectors on CUDA in f64 (`--float f64`: f32 matrix products run
 #                   in TF32 there, which the f32 tolerances do not allow; each file's checks as
 #                   it finishes)
@@ -247,6 +251,15 @@ run_stage() {
             echo "## weights product $product" >>"$OUT/profile.log"
             with_env BURN_CONNECTIVITY_WEIGHTS_PRODUCT="$product" profile hc,mhc
         done ;;
+    profile-projection)
+        echo "## table projection matmul" >>"$OUT/profile.log"
+        with_env BURN_CONNECTIVITY_TABLE_PROJECTION=matmul profile mhc
+        echo "## table projection matmul, weights product matmul" >>"$OUT/profile.log"
+        with_env BURN_CONNECTIVITY_TABLE_PROJECTION=matmul \
+            with_env BURN_CONNECTIVITY_WEIGHTS_PRODUCT=matmul profile mhc ;;
+    tables-matmul)
+        with_env BURN_CONNECTIVITY_TABLE_PROJECTION=matmul \
+            with_env BURN_CONNECTIVITY_WEIGHTS_PRODUCT=matmul bench 150 cuda train-step mhc,mhc_v4 ;;
     conformance)
         golden 240 conformance.log --float f64
         grep -aE 'passed|FAIL' "$OUT/conformance.log" | tail -5 ;;

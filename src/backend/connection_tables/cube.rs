@@ -1,18 +1,22 @@
 //! The connection tables on the CubeCL backends (see the parent module for the math).
 
 use burn::backend::cubecl::dtype_to_storage_type;
+use burn::backend::ops::FloatTensorOps;
 use burn::backend::tensor::FloatTensor;
 use burn::tensor::Shape;
 use burn_cubecl::CubeBackend;
 use burn_cubecl::kernel::into_contiguous;
-use cubecl::{CubeCount, CubeDim};
+use burn_cubecl::tensor::CubeTensor;
+use cubecl::{CubeCount, CubeDim, calculate_cube_count_elemwise};
 
 use super::{ConnectionTableBackend, normalised_columns};
-use crate::backend::cube_launch::{RowTiles, empty, per_item, threads_for, weights_product};
+use crate::backend::cube_launch::{
+    Cube, ProjectionPath, RowTiles, empty, knobs, per_item, threads_for, weights_product,
+};
 use crate::backend::kernel_constant;
 use kernels::{
     gated_backward_kernel, gated_finish_kernel, gated_forward_kernel, normalised_backward_kernel,
-    normalised_finish_kernel, normalised_forward_kernel,
+    normalised_finish_kernel, normalised_forward_kernel, normalised_row_gradient_kernel,
 };
 
 /// Units per cube of the per-row kernels (at most).
@@ -25,6 +29,13 @@ const SUM_THREADS: usize = 256;
 /// rather than as three `[1]` tensors.
 fn packed(input_scale: &FloatTensor<CubeBackend>) -> bool {
     input_scale.meta.shape().num_elements() == 3
+}
+
+/// One unit per element of `tensor`.
+fn elementwise(tensor: &CubeTensor) -> (CubeCount, CubeDim) {
+    let len = tensor.meta.shape().num_elements();
+    let dim = CubeDim::new(&tensor.client, len);
+    (calculate_cube_count_elemwise(&tensor.client, len, dim), dim)
 }
 
 /// One cube per item, `threads` units each, for the summing kernels.
@@ -236,11 +247,22 @@ impl ConnectionTableBackend for CubeBackend {
         let (launch_cubes, dim) = tiles.launch(&rows, tokens);
         let packed_scales = packed(&input_scale);
         let contiguous_weights = weights.is_contiguous();
+        // With the matmul's `xΦ` the kernel reads `given [T, columns]` and passes over the rows
+        // only for `‖x‖²` (else `given` is a placeholder it never reads).
+        let given = match knobs().table_projection {
+            ProjectionPath::Matmul => Some(into_contiguous(Cube::float_matmul(
+                rows.clone(),
+                weights.clone(),
+            ))),
+            ProjectionPath::Tiles => None,
+        };
+        let given_projection = given.is_some();
         normalised_forward_kernel::launch(
             &rows.client,
             launch_cubes,
             dim,
             rows.clone().into_tensor_arg(),
+            given.unwrap_or_else(|| rows.clone()).into_tensor_arg(),
             weights.into_tensor_arg(),
             input_scale.into_tensor_arg(),
             depth_scale.into_tensor_arg(),
@@ -255,6 +277,7 @@ impl ConnectionTableBackend for CubeBackend {
             packed_scales,
             tiles,
             contiguous_weights,
+            given_projection,
             kernel_constant(input_offset),
             kernel_constant(depth_factor),
             kernel_constant(sinkhorn_epsilon),
@@ -300,7 +323,6 @@ impl ConnectionTableBackend for CubeBackend {
         let rows = into_contiguous(rows);
         let [tokens, width] = rows.meta.shape().dims::<2>();
         let columns = normalised_columns(streams, mixtures);
-        let grad_rows = empty(&rows, Shape::new([tokens, width]));
         let scaled_grad = empty(&rows, Shape::new([tokens, columns]));
         let partials = empty(&rows, Shape::new([tokens, columns + 3]));
         let tiles = RowTiles::new(&rows, columns, streams, columns + 2 + streams);
@@ -309,6 +331,22 @@ impl ConnectionTableBackend for CubeBackend {
         let scale_shapes =
             [&input_scale, &depth_scale, &residual_scale].map(|s| s.meta.shape().clone());
         let contiguous_weights = weights.is_contiguous();
+        // With Burn's matmul for `(s δ) Φᵀ`, the kernel leaves each row's other terms of `∂x`
+        // in `row_terms` (`s'(n)/n (xΦ · δ)`, then `H_pre + ε_in` per unit) and a second pass
+        // adds them to the product.
+        let given_product = knobs().table_projection == ProjectionPath::Matmul;
+        let placeholder = || empty(&rows, Shape::new([1]));
+        let (grad_rows, row_terms) = if given_product {
+            (
+                placeholder(),
+                empty(&rows, Shape::new([tokens, streams + 1])),
+            )
+        } else {
+            (empty(&rows, Shape::new([tokens, width])), placeholder())
+        };
+        let previous_rows = into_contiguous(previous_rows);
+        let input_grad = into_contiguous(input_grad);
+        let weights_transposed = Cube::float_swap_dims(weights.clone(), 0, 1);
         normalised_backward_kernel::launch(
             &rows.client,
             launch_cubes,
@@ -322,11 +360,12 @@ impl ConnectionTableBackend for CubeBackend {
             into_contiguous(matrices).into_tensor_arg(),
             into_contiguous(projection).into_tensor_arg(),
             into_contiguous(grad).into_tensor_arg(),
-            into_contiguous(previous_rows).into_tensor_arg(),
-            into_contiguous(input_grad).into_tensor_arg(),
+            previous_rows.clone().into_tensor_arg(),
+            input_grad.clone().into_tensor_arg(),
             grad_rows.clone().into_tensor_arg(),
             scaled_grad.clone().into_tensor_arg(),
             partials.clone().into_tensor_arg(),
+            row_terms.clone().into_tensor_arg(),
             streams,
             mixtures,
             iterations,
@@ -335,6 +374,7 @@ impl ConnectionTableBackend for CubeBackend {
             contiguous_weights,
             with_previous_rows,
             input_views > 0,
+            given_product,
             kernel_constant(input_offset),
             kernel_constant(depth_factor),
             kernel_constant(sinkhorn_epsilon),
@@ -343,6 +383,28 @@ impl ConnectionTableBackend for CubeBackend {
             kernel_constant(root_offset),
             dtype_to_storage_type(rows.dtype),
         );
+        let grad_rows = if given_product {
+            let product =
+                into_contiguous(Cube::float_matmul(scaled_grad.clone(), weights_transposed));
+            let (launch_cubes, dim) = elementwise(&product);
+            normalised_row_gradient_kernel::launch(
+                &rows.client,
+                launch_cubes,
+                dim,
+                rows.clone().into_tensor_arg(),
+                row_terms.into_tensor_arg(),
+                previous_rows.into_tensor_arg(),
+                input_grad.into_tensor_arg(),
+                product.clone().into_tensor_arg(),
+                streams,
+                with_previous_rows,
+                input_views > 0,
+                dtype_to_storage_type(rows.dtype),
+            );
+            product
+        } else {
+            grad_rows
+        };
         let grad_weights = weights_product(rows.clone(), scaled_grad);
         // Shaped as the scales: `[3]` each where packed (the last two then unwritten: their
         // inputs are detached, so no gradient of theirs is registered).
@@ -380,8 +442,8 @@ mod kernels {
 
     use crate::backend::cube_launch::RowTiles;
     use crate::backend::cube_launch::kernels::{
-        constant, cube_total, row_root, row_scale, row_slope, row_view_products, sum_over_cube,
-        tiled_projection, tiled_row_gradient,
+        constant, cube_total, row_root, row_scale, row_slope, row_squares, row_view_products,
+        sum_over_cube, tiled_projection, tiled_row_gradient,
     };
     use crate::backend::sinkhorn::cube::kernels::{sinkhorn_backward, sinkhorn_forward};
 
@@ -826,11 +888,13 @@ mod kernels {
     }
 
     /// One cube per `threads / group` token rows (see [`RowTiles`]): their projections
-    /// through shared weight tiles, then one unit per row for the small per-row work.
+    /// through shared weight tiles (or, with `given_projection`, read from `given` and only
+    /// their sums of squares made here), then one unit per row for the small per-row work.
     #[cube(launch)]
     #[allow(clippy::too_many_arguments)]
     pub(super) fn normalised_forward_kernel<E: Float>(
         rows: &Tensor<E>,
+        given: &Tensor<E>,
         weights: &Tensor<E>,
         input_scale: &Tensor<E>,
         depth_scale: &Tensor<E>,
@@ -845,6 +909,7 @@ mod kernels {
         #[comptime] packed_scales: bool,
         #[comptime] tiles: RowTiles,
         #[comptime] contiguous_weights: bool,
+        #[comptime] given_projection: bool,
         #[comptime] input_offset_bits: u32,
         #[comptime] depth_factor_bits: u32,
         #[comptime] epsilon_bits: u32,
@@ -862,17 +927,38 @@ mod kernels {
         let columns = comptime!(2 * n + if mixtures > 0 { mixtures } else { n * n });
         let slots = comptime!(columns + 1);
         let mut shared = Shared::<[E]>::new_slice(comptime!(tiles.shared));
-        tiled_projection::<E>(
-            rows,
-            weights,
-            rows,
-            first,
-            &mut shared,
-            columns,
-            0usize,
-            tiles,
-            contiguous_weights,
-        );
+        if comptime!(given_projection) {
+            // Each row group leaves its row's `xΦ` and `‖x‖²` where `tiled_projection` leaves
+            // its totals.
+            let squares = row_squares::<E>(rows, first, &mut shared, tiles);
+            let unit = UNIT_POS as usize;
+            let in_group = unit % group;
+            let row = first + unit / group;
+            let at = (unit / group) * comptime!(group * slots);
+            if row < rows.shape(0) {
+                if in_group == 0 {
+                    shared[at + columns] = squares;
+                }
+                let mut c = in_group;
+                while c < columns {
+                    shared[at + c] = given[row * columns + c];
+                    c += group;
+                }
+            }
+            sync_cube();
+        } else {
+            tiled_projection::<E>(
+                rows,
+                weights,
+                rows,
+                first,
+                &mut shared,
+                columns,
+                0usize,
+                tiles,
+                contiguous_weights,
+            );
+        }
         let unit = UNIT_POS as usize;
         let row = first + unit;
         if unit < rows_per_cube && row < rows.shape(0) {
@@ -956,6 +1042,7 @@ mod kernels {
         grad_rows: &mut Tensor<E>,
         scaled_grad: &mut Tensor<E>,
         partials: &mut Tensor<E>,
+        row_terms: &mut Tensor<E>,
         #[comptime] n: usize,
         #[comptime] mixtures: usize,
         #[comptime] iterations: usize,
@@ -964,6 +1051,7 @@ mod kernels {
         #[comptime] contiguous_weights: bool,
         #[comptime] with_previous_rows: bool,
         #[comptime] with_input: bool,
+        #[comptime] given_product: bool,
         #[comptime] input_offset_bits: u32,
         #[comptime] depth_factor_bits: u32,
         #[comptime] epsilon_bits: u32,
@@ -1106,8 +1194,21 @@ mod kernels {
             for g in 0..3usize {
                 partials[out + columns + g] = sums[g];
             }
-            steps[step_at + columns] = along * row_slope::<E>(root, scale, offset_bits, 0u32);
+            let along = along * row_slope::<E>(root, scale, offset_bits, 0u32);
+            steps[step_at + columns] = along;
             steps[step_at + comptime!(columns + 1 + n)] = scale;
+            if comptime!(given_product) {
+                let terms = row * comptime!(n + 1);
+                row_terms[terms] = along;
+                if comptime!(with_input) {
+                    for k in 0..n {
+                        row_terms[terms + 1 + k] = steps[step_at + comptime!(columns + 1) + k];
+                    }
+                }
+            }
+        }
+        if comptime!(given_product) {
+            terminate!();
         }
         sync_cube();
         // ∂x_t = s Φ δ + s'(n)/n (xΦ · δ) x_t (+ the earlier gradient, + H_pre ∂u per unit).
@@ -1142,6 +1243,43 @@ mod kernels {
             tiles,
             contiguous_weights,
         );
+    }
+
+    /// `∂x` of [`normalised_backward_kernel`] from `product = (s δ) Φᵀ` (Burn's matmul), in
+    /// place, one unit per entry: `+ s'(n)/n (xΦ · δ) x_t`, `+` the earlier gradient with
+    /// `with_previous_rows`, `+ (H_pre + ε_in)_k ∂u` on unit `k`'s part with `with_input`
+    /// (`row_terms [T, n + 1]` holds the row's factors).
+    #[cube(launch)]
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn normalised_row_gradient_kernel<E: Float>(
+        rows: &Tensor<E>,
+        row_terms: &Tensor<E>,
+        previous_rows: &Tensor<E>,
+        input_grad: &Tensor<E>,
+        product: &mut Tensor<E>,
+        #[comptime] n: usize,
+        #[comptime] with_previous_rows: bool,
+        #[comptime] with_input: bool,
+        #[define(E)] _dtype: ElemType,
+    ) {
+        let at = ABSOLUTE_POS;
+        if at >= product.len() {
+            terminate!();
+        }
+        let width = rows.shape(1);
+        let row = at / width;
+        let terms = row * comptime!(n + 1);
+        let mut value = product[at] + row_terms[terms] * rows[at];
+        if comptime!(with_previous_rows) {
+            value += previous_rows[at];
+        }
+        if comptime!(with_input) {
+            let view_width = width / n;
+            let j = at % width;
+            value += row_terms[terms + 1 + j / view_width]
+                * input_grad[row * view_width + j % view_width];
+        }
+        product[at] = value;
     }
 
     /// One cube per column of `partials [T, columns + 3]`: its sum over the tokens, to `∂c`

@@ -54,6 +54,8 @@ const PRODUCT_ROWS_PER_STEP: usize = 8;
 /// memory (forward `xΦ`, backward `(s δ) Φᵀ` inside the kernels), or with Burn's matmul (tensor
 /// cores where the runtime uses them), after which the forward passes over the rows only for
 /// their sums of squares and the backward adds the other terms of `∂x` in a pass of its own.
+/// On CUDA the matmul rounds f32 inputs to TF32, as every Burn f32 matmul there; the tiles do
+/// not.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum ProjectionPath {
     Tiles,

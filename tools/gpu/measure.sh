@@ -34,6 +34,8 @@
 #                   with its weights (BURN_CONNECTIVITY_TABLE_PROJECTION=matmul: forward xΦ,
 #                   backward (s δ)Φᵀ), then with the weights' gradient through the matmul too
 #   tables-matmul   the train step of mHC and V4 on CUDA with both of those matmuls
+#   ncu-tables      Nsight Compute's throughput, occupancy and launch sections for the first
+#                   forward, backward and weights' product of mHC's table (where ncu exists)
 #   conformance     the golden vectors on CUDA in f64 (`--float f64`: f32 matrix products run
 #                   in TF32 there, which the f32 tolerances do not allow; each file's checks as
 #                   it finishes)
@@ -151,6 +153,10 @@ save_cache() {
     fi
 }
 trap save_cache EXIT
+# Nsight Compute, where the image has a CUDA toolkit (not known for the lent machines).
+ncu_path() {
+    command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1 | grep .
+}
 {
     echo "commit $(cat .gpu/COMMIT 2>/dev/null)"
     if [ -f "$CACHE" ] && tar -tzf "$CACHE" >/dev/null 2>&1; then
@@ -166,6 +172,7 @@ trap save_cache EXIT
     # libGLX_nvidia, NVIDIA's Vulkan driver, links glvnd's libGLdispatch: without it the loader
     # cannot create an instance (the 2026-11-27 H200), so .gl carries glvnd too.
     ldconfig -p | grep -E 'libvulkan.so.1|libGLdispatch' | sed 's/^/ldconfig: /'
+    echo "ncu: $(ncu_path || echo none)"
 } >"$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 
@@ -260,6 +267,26 @@ run_stage() {
     tables-matmul)
         with_env BURN_CONNECTIVITY_TABLE_PROJECTION=matmul \
             with_env BURN_CONNECTIVITY_WEIGHTS_PRODUCT=matmul bench 150 cuda train-step mhc,mhc_v4 ;;
+    ncu-tables)
+        # Why mHC's table kernels take 3-4x the estimate of BENCHMARKS.md: throughput of the SMs
+        # and memory, occupancy and launch shape of the first forward, backward and weights'
+        # product, from Nsight Compute where the image has it (into profile.log).
+        local ncu kernel
+        if ! ncu=$(ncu_path); then
+            echo "== ncu-tables: no ncu on this machine" | tee -a "$OUT/profile.log"
+        else
+            cubecl_toml /tmp/ncu ''
+            for kernel in '[Nn]ormalised_?[Ff]orward' '[Nn]ormalised_?[Bb]ackward' \
+                '[Ww]eights_?[Pp]roduct'; do
+                (cd /tmp/ncu && step 60 "$ncu" --target-processes all --kernel-name "regex:$kernel" \
+                    --launch-count 1 --section SpeedOfLight --section Occupancy \
+                    --section LaunchStats --section MemoryWorkloadAnalysis \
+                    "${RUN[@]}" "$OLDPWD/$BIN/bench_connectivity" --device cuda --only model \
+                    --runs 1 --warmup 0 --passes train-step --variants mhc) >>"$OUT/profile.log" 2>&1
+            done
+            grep -aE 'Duration|Achieved Occupancy|Compute \(SM\) Throughput|Memory Throughput|==ERROR==' \
+                "$OUT/profile.log" | tail -20
+        fi ;;
     conformance)
         golden 240 conformance.log --float f64
         grep -aE 'passed|FAIL' "$OUT/conformance.log" | tail -5 ;;

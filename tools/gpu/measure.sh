@@ -270,7 +270,9 @@ run_stage() {
     ncu-tables)
         # Why mHC's table kernels take 3-4x the estimate of BENCHMARKS.md: throughput of the SMs
         # and memory, occupancy and launch shape of the first forward, backward and weights'
-        # product, from Nsight Compute where the image has it (into profile.log).
+        # product, from Nsight Compute where the image has it (into profile.log). At the clocks
+        # and with the caches of a normal run (ncu's defaults: base clock, caches flushed), so
+        # that its durations compare with the profile stages'.
         local ncu kernel
         if ! ncu=$(ncu_path); then
             echo "== ncu-tables: no ncu on this machine" | tee -a "$OUT/profile.log"
@@ -279,7 +281,8 @@ run_stage() {
             for kernel in '[Nn]ormalised_?[Ff]orward' '[Nn]ormalised_?[Bb]ackward' \
                 '[Ww]eights_?[Pp]roduct'; do
                 (cd /tmp/ncu && step 60 "$ncu" --target-processes all --kernel-name "regex:$kernel" \
-                    --launch-count 1 --section SpeedOfLight --section Occupancy \
+                    --launch-count 1 --clock-control none --cache-control none \
+                    --section SpeedOfLight --section Occupancy \
                     --section LaunchStats --section MemoryWorkloadAnalysis \
                     "${RUN[@]}" "$OLDPWD/$BIN/bench_connectivity" --device cuda --only model \
                     --runs 1 --warmup 0 --passes train-step --variants mhc) >>"$OUT/profile.log" 2>&1

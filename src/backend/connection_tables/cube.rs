@@ -1075,7 +1075,13 @@ mod kernels {
         let slots = comptime!(columns + 1);
         // Per row: δ·α_g (columns), s'(n)/n · (xΦ · δ), H_pre + ε_in (n), s.
         let per_row = comptime!(columns + 2 + n);
-        let mut shared = Shared::<[E]>::new_slice(comptime!(tiles.shared));
+        // With `given_product` no weight tile: only the block input's products use the buffer.
+        let shared_len = comptime!(if given_product {
+            (tiles.threads * n).max(1)
+        } else {
+            tiles.shared
+        });
+        let mut shared = Shared::<[E]>::new_slice(shared_len);
         let mut steps = Shared::<[E]>::new_slice(comptime!(rows_per_cube * per_row));
         // The forward's `xΦ` and `‖x‖²` come saved; only the products with the block input's
         // gradient, `⟨∂u, x_t[k]⟩`, need a pass over the rows first.
@@ -1207,42 +1213,42 @@ mod kernels {
                 }
             }
         }
-        if comptime!(given_product) {
-            terminate!();
+        // ∂x_t = s Φ δ + s'(n)/n (xΦ · δ) x_t (+ the earlier gradient, + H_pre ∂u per unit);
+        // with `given_product`, Burn's matmul and `normalised_row_gradient_kernel` make it.
+        if comptime!(!given_product) {
+            sync_cube();
+            let step_at = (unit / group) * per_row;
+            let mut step = Array::<E>::new(columns);
+            #[unroll]
+            for c in 0..columns {
+                step[c] = steps[step_at + c];
+            }
+            let along = steps[step_at + columns];
+            let scale = steps[step_at + comptime!(columns + 1 + n)];
+            let mut gains = Array::<E>::new(n);
+            #[unroll]
+            for k in 0..n {
+                gains[k] = steps[step_at + comptime!(columns + 1) + k];
+            }
+            tiled_row_gradient::<E>(
+                rows,
+                weights,
+                previous_rows,
+                input_grad,
+                grad_rows,
+                first,
+                &mut shared,
+                &step,
+                scale,
+                along,
+                &gains,
+                columns,
+                views,
+                with_previous_rows,
+                tiles,
+                contiguous_weights,
+            );
         }
-        sync_cube();
-        // ∂x_t = s Φ δ + s'(n)/n (xΦ · δ) x_t (+ the earlier gradient, + H_pre ∂u per unit).
-        let step_at = (unit / group) * per_row;
-        let mut step = Array::<E>::new(columns);
-        #[unroll]
-        for c in 0..columns {
-            step[c] = steps[step_at + c];
-        }
-        let along = steps[step_at + columns];
-        let scale = steps[step_at + comptime!(columns + 1 + n)];
-        let mut gains = Array::<E>::new(n);
-        #[unroll]
-        for k in 0..n {
-            gains[k] = steps[step_at + comptime!(columns + 1) + k];
-        }
-        tiled_row_gradient::<E>(
-            rows,
-            weights,
-            previous_rows,
-            input_grad,
-            grad_rows,
-            first,
-            &mut shared,
-            &step,
-            scale,
-            along,
-            &gains,
-            columns,
-            views,
-            with_previous_rows,
-            tiles,
-            contiguous_weights,
-        );
     }
 
     /// `∂x` of [`normalised_backward_kernel`] from `product = (s δ) Φᵀ` (Burn's matmul), in

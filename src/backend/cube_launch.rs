@@ -32,6 +32,12 @@ pub(crate) fn per_item(tensor: &CubeTensor, items: usize, threads: usize) -> (Cu
     (count, dim)
 }
 
+/// A launch of one unit per element, for `len` elements on `like`'s device.
+pub(crate) fn per_element(like: &CubeTensor, len: usize) -> (CubeCount, CubeDim) {
+    let dim = CubeDim::new(&like.client, len);
+    (calculate_cube_count_elemwise(&like.client, len, dim), dim)
+}
+
 /// Shared memory a cube of the tiled row kernels may use (below the 32 kB every backend offers).
 const TILE_SHARED_BYTES: usize = 24 * 1024;
 
@@ -252,8 +258,7 @@ pub(crate) fn grid_stride(like: &CubeTensor, len: usize, slots: usize) -> (usize
 pub(crate) fn column_sums(partials: CubeTensor) -> CubeTensor {
     let columns = partials.meta.shape()[1];
     let sums = empty(&partials, Shape::new([columns]));
-    let dim = CubeDim::new(&partials.client, columns);
-    let count = calculate_cube_count_elemwise(&partials.client, columns, dim);
+    let (count, dim) = per_element(&partials, columns);
     kernels::column_sums_kernel::launch(
         &partials.client,
         count,

@@ -6,12 +6,12 @@ use burn::backend::tensor::FloatTensor;
 use burn::tensor::Shape;
 use burn_cubecl::CubeBackend;
 use burn_cubecl::kernel::into_contiguous;
-use burn_cubecl::tensor::CubeTensor;
-use cubecl::{CubeCount, CubeDim, calculate_cube_count_elemwise};
+use cubecl::{CubeCount, CubeDim};
 
 use super::{ConnectionTableBackend, normalised_columns};
 use crate::backend::cube_launch::{
-    Cube, ProjectionPath, RowTiles, empty, knobs, per_item, threads_for, weights_product,
+    Cube, ProjectionPath, RowTiles, empty, knobs, per_element, per_item, threads_for,
+    weights_product,
 };
 use crate::backend::kernel_constant;
 use kernels::{
@@ -29,13 +29,6 @@ const SUM_THREADS: usize = 256;
 /// rather than as three `[1]` tensors.
 fn packed(input_scale: &FloatTensor<CubeBackend>) -> bool {
     input_scale.meta.shape().num_elements() == 3
-}
-
-/// One unit per element of `tensor`.
-fn elementwise(tensor: &CubeTensor) -> (CubeCount, CubeDim) {
-    let len = tensor.meta.shape().num_elements();
-    let dim = CubeDim::new(&tensor.client, len);
-    (calculate_cube_count_elemwise(&tensor.client, len, dim), dim)
 }
 
 /// One cube per item, `threads` units each, for the summing kernels.
@@ -346,7 +339,8 @@ impl ConnectionTableBackend for CubeBackend {
         };
         let previous_rows = into_contiguous(previous_rows);
         let input_grad = into_contiguous(input_grad);
-        let weights_transposed = Cube::float_swap_dims(weights.clone(), 0, 1);
+        let weights_transposed =
+            given_product.then(|| Cube::float_swap_dims(weights.clone(), 0, 1));
         normalised_backward_kernel::launch(
             &rows.client,
             launch_cubes,
@@ -383,10 +377,10 @@ impl ConnectionTableBackend for CubeBackend {
             kernel_constant(root_offset),
             dtype_to_storage_type(rows.dtype),
         );
-        let grad_rows = if given_product {
+        let grad_rows = if let Some(weights_transposed) = weights_transposed {
             let product =
                 into_contiguous(Cube::float_matmul(scaled_grad.clone(), weights_transposed));
-            let (launch_cubes, dim) = elementwise(&product);
+            let (launch_cubes, dim) = per_element(&product, tokens * width);
             normalised_row_gradient_kernel::launch(
                 &rows.client,
                 launch_cubes,

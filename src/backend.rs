@@ -134,11 +134,38 @@ pub(crate) fn is_cube(device: &Device) -> bool {
     }
 }
 
-/// Whether `tensor` can go through the crate's fused Sinkhorn-Knopp: CubeCL devices, and Flex
-/// in f32 or f64.
+/// Whether the crate's CubeCL kernels can index `elements` entries: they index in 32 bits
+/// (CubeCL's default address type, where Burn's own kernels pick 32 or 64 bits per launch), so
+/// a tensor with more entries goes to the composed form rather than wrap around.
+#[cfg_attr(
+    not(any(feature = "cube-kernels", feature = "flex", feature = "tch")),
+    allow(dead_code)
+)]
+pub(crate) fn indexes_in_32_bits(elements: usize) -> bool {
+    u32::try_from(elements).is_ok()
+}
+
+/// Whether the crate's CubeCL kernels take `tensor`: a CubeCL device, a float type, and entries
+/// that [`indexes_in_32_bits`].
+#[cfg(any(feature = "cube-kernels", feature = "flex"))]
+pub(crate) fn cube_kernels_take<const D: usize>(tensor: &Tensor<D>) -> bool {
+    is_cube(&tensor.device())
+        && tensor.dtype().is_float()
+        && indexes_in_32_bits(tensor.shape().num_elements())
+}
+
+/// The largest `n` of the CubeCL Sinkhorn-Knopp kernel: a unit keeps its `n × n` matrix and
+/// every step's `n` denominators (for the backward) in its own memory, and unrolls each step's
+/// `n²` work. Larger matrices compose.
+#[cfg(any(feature = "cube-kernels", feature = "flex"))]
+pub(crate) const MAX_CUBE_SINKHORN: usize = 16;
+
+/// Whether `tensor` (`[..., n, n]`) can go through the crate's fused Sinkhorn-Knopp: CubeCL
+/// devices for `n` up to [`MAX_CUBE_SINKHORN`], and Flex in f32 or f64.
 #[cfg(any(feature = "cube-kernels", feature = "flex"))]
 pub(crate) fn has_fused_sinkhorn<const D: usize>(tensor: &Tensor<D>) -> bool {
-    is_cube(&tensor.device()) || has_fused_flex_ops(tensor)
+    let n = tensor.dims()[D - 1];
+    (cube_kernels_take(tensor) && n <= MAX_CUBE_SINKHORN) || has_fused_flex_ops(tensor)
 }
 
 /// Whether `tensor` can go through the crate's fused CPU ops (`src/backend/`): a Flex device,
@@ -249,7 +276,8 @@ pub(crate) const MAX_CUBE_MIXES: usize = 64;
 /// A history of at most `capacity` mixes for the fused weighted sums of ANCRe and DenseFormer
 /// over states like `first`, their weights taken from vectors of the lengths `segments`
 /// (`src/backend/history_mix.rs`), where the device has them: Flex in f32 or f64, a CubeCL
-/// device in any float type with at most [`MAX_CUBE_MIXES`] mixes.
+/// device in any float type with at most [`MAX_CUBE_MIXES`] mixes, whose buffer of every
+/// state (`capacity` of them) [`indexes_in_32_bits`].
 pub(crate) fn fused_history<const D: usize>(
     first: &Tensor<D>,
     capacity: usize,
@@ -257,8 +285,10 @@ pub(crate) fn fused_history<const D: usize>(
 ) -> Option<History> {
     #[cfg(any(feature = "flex", feature = "cube-kernels"))]
     {
-        let on_cube =
-            is_cube(&first.device()) && first.dtype().is_float() && capacity <= MAX_CUBE_MIXES;
+        let buffer = first.shape().num_elements().checked_mul(capacity);
+        let on_cube = cube_kernels_take(first)
+            && capacity <= MAX_CUBE_MIXES
+            && buffer.is_some_and(indexes_in_32_bits);
         (has_fused_flex_ops(first) || on_cube)
             .then(|| History::new(first.device().is_autodiff(), capacity, segments))
     }
@@ -367,5 +397,34 @@ mod tests {
         assert!(fused_history(&first, MAX_CUBE_MIXES + 1, &[1]).is_none());
         let flex = Tensor::<3>::zeros([2, 3, 4], &Device::flex());
         assert!(fused_history(&flex, MAX_CUBE_MIXES + 1, &[1]).is_some());
+        // A buffer of every state past 2³² entries (64 states of 2²⁶ + 1) composes; 63 fit.
+        let large = Tensor::<1>::zeros([(1 << 26) + 1], &wgpu);
+        assert!(fused_history(&large, 63, &[1]).is_some());
+        assert!(fused_history(&large, 64, &[1]).is_none());
+    }
+
+    /// The kernels' 32-bit indices reach `u32::MAX` entries and no further.
+    #[test]
+    fn indices_stop_at_32_bits() {
+        assert!(indexes_in_32_bits(u32::MAX as usize));
+        #[cfg(target_pointer_width = "64")]
+        assert!(!indexes_in_32_bits(u32::MAX as usize + 1));
+    }
+
+    /// Sinkhorn-Knopp's kernel takes matrices up to its limit; larger ones compose.
+    #[cfg(feature = "wgpu")]
+    #[test]
+    fn sinkhorn_on_cubecl_stops_at_its_limit() {
+        let wgpu = device("wgpu").unwrap();
+        let n = MAX_CUBE_SINKHORN;
+        assert!(has_fused_sinkhorn(&Tensor::<3>::zeros([2, n, n], &wgpu)));
+        assert!(!has_fused_sinkhorn(&Tensor::<3>::zeros(
+            [2, n + 1, n + 1],
+            &wgpu
+        )));
+        assert!(has_fused_sinkhorn(&Tensor::<3>::zeros(
+            [2, n + 1, n + 1],
+            &Device::flex()
+        )));
     }
 }

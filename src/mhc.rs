@@ -546,12 +546,19 @@ mod tests {
     }
 
     /// The fused op against the composed operations on the same device, forward and gradient,
-    /// for several sizes, iteration counts and logit scales.
+    /// for several sizes, iteration counts and logit scales; zero iterations (which the configs
+    /// refuse, but a public field or `MhcLayer::connections` can pass) run one in both.
     #[cfg(any(feature = "cube-kernels", feature = "flex"))]
     fn fused_matches_composed(device: &Device) {
         assert_eq!(MHC_EPS, 1e-6);
         let device = device.clone().autodiff();
-        for (n, iterations, batch, scale) in [(4, 20, 37, 1.0), (3, 1, 5, 3.0), (2, 7, 300, 0.1)] {
+        let cases = [
+            (4, 20, 37, 1.0),
+            (3, 1, 5, 3.0),
+            (2, 7, 300, 0.1),
+            (3, 0, 4, 1.0),
+        ];
+        for (n, iterations, batch, scale) in cases {
             let logits =
                 Tensor::<2>::random([batch, n * n], Distribution::Normal(0.0, scale), &device);
             let weights =

@@ -39,8 +39,7 @@ pub(crate) fn gather_columns<const D: usize>(
             .all(|table| table.dims() == shape && table.dtype() == dtype)
             && columns.iter().all(|&c| c == column)
             && column < shape[D - 1]
-            && super::is_cube(&tables[0].device())
-            && dtype.is_float()
+            && super::cube_kernels_take(&tables[0])
         {
             return parts::gather(tables, column);
         }

@@ -234,7 +234,8 @@ impl TableForm for Normalised {
             matrices.into_dispatch(),
             streams,
             mixtures,
-            sinkhorn_iterations,
+            // Zero runs one, as in `fused_sinkhorn` and the composed form.
+            sinkhorn_iterations.max(1),
             input_offset,
             depth_factor,
             sinkhorn_epsilon,

@@ -105,14 +105,17 @@ fn epsilon(norm: &LayerNorm) -> Option<f64> {
 
 /// `γ`, `β` and `ε` of `norm` where [`layer_norm`] runs the fused op: Flex, LibTorch or CubeCL
 /// under autodiff, a bias, input and parameters of one float type (f32 or f64; f32 on CubeCL,
-/// whose kernels sum in the stored type), of matching width.
+/// whose kernels sum in the stored type), of matching width; on CubeCL an input whose entries
+/// [`indexes_in_32_bits`](super::indexes_in_32_bits).
 fn fused_parts<const D: usize>(
     norm: &LayerNorm,
     input: &Tensor<D>,
 ) -> Option<(Tensor<1>, Tensor<1>, f64)> {
     let device = input.device();
     let cube = is_cube(&device);
-    if !device.is_autodiff() || !(is_flex(&device) || is_libtorch(&device) || cube) {
+    // The CubeCL kernels index in 32 bits.
+    let on_cube = cube && super::indexes_in_32_bits(input.shape().num_elements());
+    if !device.is_autodiff() || !(is_flex(&device) || is_libtorch(&device) || on_cube) {
         return None;
     }
     let dtype = input.dtype();

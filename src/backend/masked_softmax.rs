@@ -39,7 +39,7 @@ pub(crate) fn masked_softmax(
 ) -> Tensor<2> {
     let device = logits.device();
     #[cfg(feature = "cube-kernels")]
-    if super::is_cube(&device) && logits.dtype().is_float() {
+    if super::cube_kernels_take(&logits) {
         // 0: dropped, 1: kept, 2: kept and fixed to 1.
         let codes: Vec<f32> = (mask.kept.iter().zip(&mask.ones))
             .map(|(&kept, &one)| f32::from(u8::from(kept) + u8::from(one)))
@@ -75,7 +75,7 @@ pub(crate) fn masked_softmax(
 /// `softmax` elsewhere. AttnRes's weights over its sources.
 pub(crate) fn last_axis_softmax<const D: usize>(logits: Tensor<D>) -> Tensor<D> {
     #[cfg(feature = "cube-kernels")]
-    if super::is_cube(&logits.device()) && logits.dtype().is_float() {
+    if super::cube_kernels_take(&logits) {
         let dims = logits.dims();
         let length = dims[D - 1];
         let lines = logits.shape().num_elements() / length.max(1);
@@ -201,21 +201,16 @@ mod op {
         use burn::tensor::Shape;
         use burn_cubecl::kernel::into_contiguous;
         use burn_cubecl::tensor::CubeTensor;
-        use cubecl::{CubeDim, calculate_cube_count_elemwise};
+        use cubecl::CubeDim;
 
         use super::MaskedSoftmaxBackend;
-        use crate::backend::cube_launch::{Cube, empty};
+        use crate::backend::cube_launch::{Cube, empty, per_element};
         use crate::backend::kernel_constant;
         use kernels::softmax_kernel;
 
         /// One unit per line.
         fn launch_shape(logits: &CubeTensor, axis: usize) -> (cubecl::CubeCount, CubeDim) {
-            let lines = logits.meta.shape()[1 - axis];
-            let dim = CubeDim::new(&logits.client, lines);
-            (
-                calculate_cube_count_elemwise(&logits.client, lines, dim),
-                dim,
-            )
+            per_element(logits, logits.meta.shape()[1 - axis])
         }
 
         /// `P`, or `∂L` where `grad` (`∂P`) is given: one kernel.

@@ -150,8 +150,14 @@ impl Scales {
                 columns,
             } => {
                 let index = row * columns + column;
-                let entry = entries[index].clone();
                 let values = values.as_ref().clone();
+                if !super::indexes_in_32_bits(value.shape().num_elements()) {
+                    // Past the chain's kernel (32-bit indices): Burn's ops, as `Tracked`.
+                    let position = Tensor::<1, Int>::from_data([index as i64], &values.device());
+                    let entry = values.reshape([-1]).select(0, position);
+                    return value * entry.reshape([1usize; D]);
+                }
+                let entry = entries[index].clone();
                 super::scale_entries::chained(chain, values, entry, index, value)
             }
         }

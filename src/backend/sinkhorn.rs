@@ -63,12 +63,15 @@ pub(crate) trait SinkhornBackend: Backend {
 }
 
 /// Sinkhorn-Knopp through the fused op (CubeCL or Flex devices): `logits` is `[batch, n²]`.
+/// Zero iterations run one, as the composed form does (its first column normalisation comes
+/// before the loop); the backward's step count `2T − 1` needs `T ≥ 1`.
 pub(crate) fn fused_sinkhorn(
     logits: Tensor<2>,
     n: usize,
     iterations: usize,
     epsilon: f64,
 ) -> Tensor<2> {
+    let iterations = iterations.max(1);
     let output =
         <Dispatch as SinkhornBackend>::sinkhorn(logits.into_dispatch(), n, iterations, epsilon);
     Tensor::from_dispatch(output)

@@ -403,7 +403,9 @@ struct OwnRows<'a, E> {
 /// With the last state's logit made in the op (`z = s(‖v‖) v · w`): `⟨∂h, h⟩` per token into
 /// `centre`, the last state's gradient `p ∂h + ∂z (s w + s'(n)/n (v · w) v)` with
 /// `∂z = p (⟨∂h, v⟩ − ⟨∂h, h⟩)` (plus its gradient so far), and the query's `Σ_t ∂z s v_t`, in
-/// one pass over the rows.
+/// one pass over the rows. `normed_projection`'s one-pass backward computes the same terms for
+/// one column, but from a `⟨∂h, h⟩` made before it: here that sum comes from the same pass,
+/// which saves a read of `∂h` and `h`.
 fn own_backward<E: Scalar>(
     rows: OwnRows<'_, E>,
     query: &[E],

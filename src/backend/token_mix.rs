@@ -77,7 +77,7 @@ pub(crate) fn token_mix_leaving<const D: usize>(
             return flex::token_mix(weights, states, gradients);
         }
         #[cfg(feature = "cube-kernels")]
-        if same_shapes && super::is_cube(&states[0].device()) && states[0].dtype().is_float() {
+        if same_shapes && super::cube_kernels_take(&states[0]) {
             return parts::token_mix(weights, states);
         }
     }
@@ -1123,6 +1123,36 @@ mod tests {
         super::cube::one_slot_backward(true);
         fused_equals_composed(&device, &[FloatDType::F32], &[3, 9]);
         super::cube::one_slot_backward(false);
+    }
+
+    /// More tokens than one launch axis takes (65535 cubes on wgpu): the backward's cubes, one
+    /// per token, spread over a second axis, and every value and gradient equals the composed
+    /// form's.
+    #[cfg(feature = "wgpu")]
+    #[test]
+    fn more_tokens_than_a_launch_axis_on_wgpu() {
+        let device = crate::test_util::wgpu_autodiff();
+        let normal = Distribution::Normal(0.0, 1.0);
+        let shape = [1, 70_000, 2];
+        let states: Vec<Tensor<3>> = (0..2)
+            .map(|_| Tensor::random(shape, normal, &device))
+            .collect();
+        let weights = Tensor::<3>::random(shape, normal, &device);
+        let probe = Tensor::<3>::random(shape, normal, &device);
+        let run = |fused: bool| {
+            let weights = weights.clone().require_grad();
+            let states: Vec<Tensor<3>> = states.iter().map(|s| s.clone().require_grad()).collect();
+            let mixed = if fused {
+                super::token_mix(weights.clone(), states.clone())
+            } else {
+                super::composed(weights.clone(), states.clone())
+            };
+            let grads = (mixed.clone() * probe.clone()).sum().backward();
+            let mut out = vec![mixed.into_data(), weights.grad(&grads).unwrap().into_data()];
+            out.extend(states.iter().map(|s| s.grad(&grads).unwrap().into_data()));
+            out
+        };
+        assert_runs_agree(run(true), run(false), FloatDType::F32);
     }
 
     /// Without autodiff the op runs the forward alone, equal to the composed form.

@@ -57,11 +57,23 @@ mod cube;
 /// The most units per token the kernels take (their per-unit sums live in registers).
 pub(crate) const MAX_UNITS: usize = 8;
 
-/// Whether the kernels take `units [tokens, U, w]`: a CubeCL device, a float type, `U` at most
-/// [`MAX_UNITS`].
+/// The most columns of the projection kernels: a cube's tile of the weights (`threads × C`
+/// entries, `C` odd-padded) lives in shared memory ([`RowTiles`](super::cube_launch::RowTiles),
+/// 24 kB), and past this even two units' tile of f64 weights could outgrow it. Wider projections
+/// (AttnRes past 1024 blocks, MUDD past 255) compose.
+pub(crate) const MAX_PROJECTION_COLUMNS: usize = 1024;
+
+/// Whether the projection kernel takes `weights [w, C]`: `C` at most
+/// [`MAX_PROJECTION_COLUMNS`] (the device and the rows are checked by [`supports`]).
+pub(crate) fn projects(weights: &Tensor<2>) -> bool {
+    weights.dims()[1] <= MAX_PROJECTION_COLUMNS
+}
+
+/// Whether the kernels take `units [tokens, U, w]`: [`cube_kernels_take`](super::cube_kernels_take)
+/// them, and `U` at most [`MAX_UNITS`].
 pub(crate) fn supports(units: &Tensor<3>) -> bool {
     let [_, count, _] = units.dims();
-    super::is_cube(&units.device()) && units.dtype().is_float() && count <= MAX_UNITS
+    super::cube_kernels_take(units) && count <= MAX_UNITS
 }
 
 /// The unit kernels (see the [module docs](self)).
@@ -635,6 +647,17 @@ mod tests {
     /// Entries agree to 1e-3 relative, or to 1e-4 of the tensor's largest entry (at least 1).
     fn assert_all_close(kernel: &[TensorData], composed: &[TensorData], case: &str) {
         crate::test_util::assert_tensors_close(kernel, composed, 1e-3, case);
+    }
+
+    /// Projections up to the kernels' column limit take them; wider ones compose.
+    #[test]
+    fn projections_past_the_column_limit_compose() {
+        let device = wgpu();
+        let weights = |columns: usize| Tensor::<2>::zeros([4, columns], &device);
+        assert!(super::projects(&weights(super::MAX_PROJECTION_COLUMNS)));
+        assert!(!super::projects(&weights(
+            super::MAX_PROJECTION_COLUMNS + 1
+        )));
     }
 
     /// The projection kernels against the composed tensor ops on wgpu, forward and both

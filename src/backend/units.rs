@@ -213,7 +213,9 @@ impl LayerOps {
             );
         }
         #[cfg(feature = "cube-kernels")]
-        if let UnitOps::Kernels = self.ops {
+        if let UnitOps::Kernels = self.ops
+            && super::unit_kernels::projects(&weights)
+        {
             return super::unit_kernels::projection(rows, weights, scale);
         }
         composed_normed_projection(rows, weights, scale)

@@ -278,13 +278,17 @@ run_stage() {
             echo "== ncu-tables: no ncu on this machine" | tee -a "$OUT/profile.log"
         else
             cubecl_toml /tmp/ncu ''
+            # ncu follows its target through LD_PRELOAD: `env LD_PRELOAD=stub` (RUN) would drop
+            # ncu's own library, so the stub is put in front of what ncu set, not in its place.
+            local keep=(bash -c 'LD_PRELOAD="$0${LD_PRELOAD:+:$LD_PRELOAD}" exec "$@"'
+                "$PWD/.gpu/libllvmstub.so")
             for kernel in '[Nn]ormalised_?[Ff]orward' '[Nn]ormalised_?[Bb]ackward' \
                 '[Ww]eights_?[Pp]roduct'; do
                 (cd /tmp/ncu && step 60 "$ncu" --target-processes all --kernel-name "regex:$kernel" \
                     --launch-count 1 --clock-control none --cache-control none \
                     --section SpeedOfLight --section Occupancy \
                     --section LaunchStats --section MemoryWorkloadAnalysis \
-                    "${RUN[@]}" "$OLDPWD/$BIN/bench_connectivity" --device cuda --only model \
+                    "${keep[@]}" "$OLDPWD/$BIN/bench_connectivity" --device cuda --only model \
                     --runs 1 --warmup 0 --passes train-step --variants mhc) >>"$OUT/profile.log" 2>&1
             done
             grep -aE 'Duration|Achieved Occupancy|Compute \(SM\) Throughput|Memory Throughput|==ERROR==' \

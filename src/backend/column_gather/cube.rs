@@ -10,10 +10,9 @@ use burn::tensor::Shape;
 use burn_cubecl::CubeBackend;
 use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::tensor::CubeTensor;
-use cubecl::{CubeDim, calculate_cube_count_elemwise};
 
 use super::parts::{ColumnGatherBackend, PART};
-use crate::backend::cube_launch::{empty, rows_and_width};
+use crate::backend::cube_launch::{empty, per_element, rows_and_width};
 use kernels::{part_backward_kernel, part_forward_kernel, single_backward_kernel};
 
 /// Buffers the backward kernel binds: `∂out`, and per slot a gradient so far and a gradient.
@@ -84,8 +83,7 @@ impl ColumnGatherBackend for CubeBackend {
                 .into_tensor_arg()
         };
         let len = output.meta.shape().num_elements();
-        let dim = CubeDim::new(&like.client, len);
-        let cubes = calculate_cube_count_elemwise(&like.client, len, dim);
+        let (cubes, dim) = per_element(like, len);
         part_forward_kernel::launch(
             &like.client,
             cubes,
@@ -174,8 +172,7 @@ impl ColumnGatherBackend for CubeBackend {
             .collect();
         #[cfg(test)]
         BACKWARD_LAUNCHES.fetch_add(1, Ordering::Relaxed);
-        let dim = CubeDim::new(&grad.client, len);
-        let cubes = calculate_cube_count_elemwise(&grad.client, len, dim);
+        let (cubes, dim) = per_element(&grad, len);
         // One binding more for CubeCL's own metadata buffer.
         let binds_all = grad.client.properties().hardware.max_bindings as usize > BACKWARD_BINDINGS
             && !one_slot_forced();

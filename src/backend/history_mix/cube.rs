@@ -6,11 +6,11 @@ use burn::backend::ops::FloatTensorOps;
 use burn::tensor::{DType, Shape};
 use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::tensor::CubeTensor;
-use cubecl::{CubeCount, CubeDim, calculate_cube_count_elemwise};
+use cubecl::{CubeCount, CubeDim};
 
 use super::{History, HistoryMixBackend, Records, Wanted};
 use crate::backend::autodiff::cast_to;
-use crate::backend::cube_launch::{Cube, column_sums, empty, grid_stride, row_prefix};
+use crate::backend::cube_launch::{Cube, column_sums, empty, grid_stride, per_element, row_prefix};
 use kernels::{backward_kernel, forward_kernel};
 
 /// What the CubeCL ops keep of a history: buffers of its capacity, allocated by its first mix.
@@ -82,8 +82,7 @@ fn forward(
     let output = empty(&newest, newest.meta.shape().clone());
     // Enough units for the copy of W_g too.
     let units = len.max(weights.meta.shape().num_elements());
-    let dim = CubeDim::new(&newest.client, units);
-    let cubes = calculate_cube_count_elemwise(&newest.client, units, dim);
+    let (cubes, dim) = per_element(&newest, units);
     forward_kernel::launch(
         &newest.client,
         cubes,

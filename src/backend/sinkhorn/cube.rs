@@ -6,9 +6,10 @@ use burn::backend::tensor::FloatTensor;
 use burn_cubecl::CubeBackend;
 use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
-use cubecl::{CubeCount, CubeDim, calculate_cube_count_elemwise};
+use cubecl::{CubeCount, CubeDim};
 
 use super::SinkhornBackend;
+use crate::backend::cube_launch::per_element;
 use crate::backend::kernel_constant;
 use kernels::{sinkhorn_backward_kernel, sinkhorn_forward_kernel};
 
@@ -71,10 +72,10 @@ impl PerMatrix {
     fn new(input: &FloatTensor<CubeBackend>, n: usize) -> Self {
         let shape = input.meta.shape().clone();
         let matrices = shape.num_elements() / (n * n);
-        let dim = CubeDim::new(&input.client, matrices);
+        let (count, dim) = per_element(input, matrices);
         Self {
             client: input.client.clone(),
-            count: calculate_cube_count_elemwise(&input.client, matrices, dim),
+            count,
             dim,
             dtype: dtype_to_storage_type(input.dtype),
             output: empty_device_contiguous_dtype(

@@ -10,10 +10,9 @@ use burn::tensor::Shape;
 use burn_cubecl::CubeBackend;
 use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::tensor::CubeTensor;
-use cubecl::{CubeCount, CubeDim, calculate_cube_count_elemwise};
 
 use super::{PART, TokenMixPartBackend};
-use crate::backend::cube_launch::{empty, rows_and_width, threads_for};
+use crate::backend::cube_launch::{empty, per_element, per_item, rows_and_width, threads_for};
 use kernels::{part_backward_kernel, part_forward_kernel, single_backward_kernel};
 
 /// Takes the one-slot backward kernel whatever the device binds (for the tests).
@@ -72,8 +71,7 @@ impl TokenMixPartBackend for CubeBackend {
         let (_, width) = rows_and_width(&states[0]);
         let shape = states[0].meta.shape().clone();
         let len = shape.num_elements();
-        let dim = CubeDim::new(&states[0].client, len);
-        let cubes = calculate_cube_count_elemwise(&states[0].client, len, dim);
+        let (cubes, dim) = per_element(&states[0], len);
         let output = empty(&states[0], shape);
         // The slots past `count`, and the sum when there is none: placeholders of their own,
         // unread.
@@ -184,7 +182,6 @@ impl TokenMixPartBackend for CubeBackend {
             })
             .collect();
         let weight_grad = empty(&grad, weight_shape);
-        let cubes = CubeCount::Static(tokens as u32, 1, 1);
         #[cfg(test)]
         BACKWARD_LAUNCHES.fetch_add(1, Ordering::Relaxed);
         // One binding more for CubeCL's own metadata buffer.
@@ -192,7 +189,9 @@ impl TokenMixPartBackend for CubeBackend {
             && !one_slot_forced();
         if binds_all {
             let threads = threads_for(&grad, count, MOST_THREADS);
-            let dim = CubeDim::new_1d(threads as u32);
+            // One cube per token, spread over a second axis past the device's most per axis
+            // (65535 on wgpu).
+            let (cubes, dim) = per_item(&grad, tokens, threads);
             // The slots past `count`: placeholders of their own, unread.
             let placeholder = || empty(&grad, Shape::new([1]));
             let state = |k: usize| states.get(k).cloned().unwrap_or_else(placeholder);
@@ -245,11 +244,12 @@ impl TokenMixPartBackend for CubeBackend {
             );
         } else {
             let threads = threads_for(&grad, 1, MOST_THREADS);
+            let (cubes, dim) = per_item(&grad, tokens, threads);
             for k in 0..count {
                 single_backward_kernel::launch(
                     &grad.client,
                     cubes.clone(),
-                    CubeDim::new_1d(threads as u32),
+                    dim,
                     weights.clone().into_tensor_arg(),
                     grad.clone().into_tensor_arg(),
                     states[k].clone().into_tensor_arg(),
@@ -450,6 +450,10 @@ mod kernels {
         #[define(E)] _dtype: ElemType,
     ) {
         let t = CUBE_POS;
+        // A spread launch may have cubes past the last token.
+        if t >= weights.len() / columns {
+            terminate!();
+        }
         let masks = (sofar_mask, wanted_mask);
         let mut partial = Array::<E>::new(count);
         let mut factor = Array::<E>::new(count);
@@ -525,6 +529,9 @@ mod kernels {
         #[define(E)] _dtype: ElemType,
     ) {
         let t = CUBE_POS;
+        if t >= weights.len() / columns {
+            terminate!();
+        }
         let masks = (sofar_mask, wanted_mask);
         let factor = weights[t * columns + first];
         let mut partial = Array::<E>::new(1usize);

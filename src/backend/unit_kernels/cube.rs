@@ -6,10 +6,11 @@ use burn::backend::tensor::FloatTensor;
 use burn::tensor::Shape;
 use burn_cubecl::CubeBackend;
 use burn_cubecl::kernel::into_contiguous;
-use cubecl::{CubeDim, calculate_cube_count_elemwise};
 
 use super::UnitKernelsBackend;
-use crate::backend::cube_launch::{Cube, RowTiles, empty, per_item, threads_for, weights_product};
+use crate::backend::cube_launch::{
+    Cube, RowTiles, empty, per_element, per_item, threads_for, weights_product,
+};
 use crate::backend::kernel_constant;
 use kernels::{
     mix_backward_kernel, mix_forward_kernel, projection_backward_kernel, projection_forward_kernel,
@@ -35,8 +36,7 @@ fn mix(
     } else {
         1
     };
-    let dim = CubeDim::new(&units.client, tokens * width);
-    let count_cubes = calculate_cube_count_elemwise(&units.client, tokens * width, dim);
+    let (count_cubes, dim) = per_element(&units, tokens * width);
     mix_forward_kernel::launch(
         &units.client,
         count_cubes,

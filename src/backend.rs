@@ -145,13 +145,37 @@ pub(crate) fn indexes_in_32_bits(elements: usize) -> bool {
     u32::try_from(elements).is_ok()
 }
 
-/// Whether the crate's CubeCL kernels take `tensor`: a CubeCL device, a float type, and entries
-/// that [`indexes_in_32_bits`].
+/// Buffers that the crate's widest CubeCL kernel binds besides CubeCL's metadata buffer (the
+/// connection tables' backward). The per-token mixtures' backward kernels bind more, and have a
+/// one-slot form for devices that bind fewer.
+#[cfg(feature = "cube-kernels")]
+const WIDEST_KERNEL_BUFFERS: usize = 15;
+
+/// Whether `device` is a CubeCL device that binds as many buffers as each of the crate's kernels
+/// (desktop GPUs bind far more; some mobile GPUs' Vulkan drivers fewer).
+#[cfg(any(feature = "cube-kernels", feature = "flex"))]
+fn binds_every_kernel(device: &Device) -> bool {
+    #[cfg(feature = "cube-kernels")]
+    if let burn::backend::DispatchDevice::Cube(cube) =
+        device.clone().without_autodiff().as_dispatch()
+    {
+        let bindings = cube.client().properties().hardware.max_bindings as usize;
+        return bindings > WIDEST_KERNEL_BUFFERS;
+    }
+    let _ = device;
+    false
+}
+
+/// Whether the crate's CubeCL kernels take `tensor`: a CubeCL device that
+/// [binds every kernel](binds_every_kernel), a float type, and entries that
+/// [`indexes_in_32_bits`].
 #[cfg(any(feature = "cube-kernels", feature = "flex"))]
 pub(crate) fn cube_kernels_take<const D: usize>(tensor: &Tensor<D>) -> bool {
-    is_cube(&tensor.device())
+    let device = tensor.device();
+    is_cube(&device)
         && tensor.dtype().is_float()
         && indexes_in_32_bits(tensor.shape().num_elements())
+        && binds_every_kernel(&device)
 }
 
 /// The largest `n` of the CubeCL Sinkhorn-Knopp kernel: a unit keeps its `n × n` matrix and

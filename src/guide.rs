@@ -77,7 +77,7 @@
 //! | option | implements | notes |
 //! |---|---|---|
 //! | `streams` n, `width` C | eqs. 14–19 as Megatron-LM computes them: flattened RMS scale, `σ`, `2σ`, Sinkhorn-Knopp | golden `mhc`; `ε = 1e-6` |
-//! | `sinkhorn_iterations` | Sinkhorn-Knopp, differentiated through every iteration | default 20; the public function takes any square batch |
+//! | `sinkhorn_iterations` | Sinkhorn-Knopp, differentiated through every iteration | default 20 (the config refuses 0; set later, 0 runs as 1 on every path); the public function takes any square batch, the CubeCL kernel up to 16 × 16 (larger ones composed) |
 //! | `phi_std`, `alpha_init` | decision (MATH §5.2): `φ ~ N(0, σ = 1e-4)`, `α = 0.01`, `b_pre = −ln(n−1)`, `b_post = 0`, `b_res = 5(I − 1)` | within 1e-2 of ResNet at init (tested); with `n = 1`, `b_pre = 0` gives `H_pre = ½` |
 //! | `reduce` | output `y = mean_k S_k` (default) or the sum | |
 //! | [`Connectivity::matrix`](crate::Connectivity::matrix) | `C` of the static part (`H~ = b`) | [`Mhc::connections`](crate::Mhc::connections) gives the per-token matrices of a batch |

@@ -63,10 +63,30 @@ pub(crate) const MAX_UNITS: usize = 8;
 /// (AttnRes past 1024 blocks, MUDD past 255) compose.
 pub(crate) const MAX_PROJECTION_COLUMNS: usize = 1024;
 
-/// Whether the projection kernel takes `weights [w, C]`: `C` at most
-/// [`MAX_PROJECTION_COLUMNS`] (the device and the rows are checked by [`supports`]).
-pub(crate) fn projects(weights: &Tensor<2>) -> bool {
-    weights.dims()[1] <= MAX_PROJECTION_COLUMNS
+/// Whether the projection kernel takes `weights [w, C]` for `rows`: the rows' float type (the
+/// kernel reads every input as the rows' type) and `C` at most [`MAX_PROJECTION_COLUMNS`] (the
+/// device and the rows are checked by [`supports`]). Otherwise the composed form runs, whose
+/// Burn ops report mixed types.
+pub(crate) fn projects(rows: &Tensor<2>, weights: &Tensor<2>) -> bool {
+    weights.dtype() == rows.dtype() && weights.dims()[1] <= MAX_PROJECTION_COLUMNS
+}
+
+/// Whether the mix kernels take `matrices` and `units` (and the addend's `β`, `h`): one float
+/// type for all, as the kernels read every input as the units' type.
+pub(crate) fn mixes(
+    matrices: &Tensor<3>,
+    units: &Tensor<3>,
+    addend: Option<&(Gains, Tensor<3>)>,
+) -> bool {
+    let dtype = units.dtype();
+    let addend_dtypes = addend.is_none_or(|(gains, branch)| {
+        branch.dtype() == dtype
+            && match gains {
+                Gains::Own(beta) => beta.dtype() == dtype,
+                Gains::Row(_) => true,
+            }
+    });
+    matrices.dtype() == dtype && addend_dtypes
 }
 
 /// Whether the kernels take `units [tokens, U, w]`: [`cube_kernels_take`](super::cube_kernels_take)
@@ -649,15 +669,24 @@ mod tests {
         crate::test_util::assert_tensors_close(kernel, composed, 1e-3, case);
     }
 
-    /// Projections up to the kernels' column limit take them; wider ones compose.
+    /// Projections up to the kernels' column limit take them; wider ones, and weights of
+    /// another float type, compose; so does a mix whose matrices are of another type.
     #[test]
     fn projections_past_the_column_limit_compose() {
         let device = wgpu();
+        let rows = Tensor::<2>::zeros([3, 4], &device);
         let weights = |columns: usize| Tensor::<2>::zeros([4, columns], &device);
-        assert!(super::projects(&weights(super::MAX_PROJECTION_COLUMNS)));
-        assert!(!super::projects(&weights(
-            super::MAX_PROJECTION_COLUMNS + 1
-        )));
+        let most = super::MAX_PROJECTION_COLUMNS;
+        assert!(super::projects(&rows, &weights(most)));
+        assert!(!super::projects(&rows, &weights(most + 1)));
+        // The kernels read every input as the rows' type: other weights would be misread.
+        let f64_weights = weights(8).cast(burn::tensor::FloatDType::F64);
+        assert!(!super::projects(&rows, &f64_weights));
+        let units = Tensor::<3>::zeros([3, 2, 4], &device);
+        let matrices = Tensor::<3>::zeros([3, 2, 2], &device);
+        assert!(super::mixes(&matrices, &units, None));
+        let f64_matrices = matrices.cast(burn::tensor::FloatDType::F64);
+        assert!(!super::mixes(&f64_matrices, &units, None));
     }
 
     /// The projection kernels against the composed tensor ops on wgpu, forward and both

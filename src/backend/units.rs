@@ -214,7 +214,7 @@ impl LayerOps {
         }
         #[cfg(feature = "cube-kernels")]
         if let UnitOps::Kernels = self.ops
-            && super::unit_kernels::projects(&weights)
+            && super::unit_kernels::projects(&rows, &weights)
         {
             return super::unit_kernels::projection(rows, weights, scale);
         }
@@ -235,7 +235,9 @@ impl LayerOps {
         slot: u64,
     ) -> Tensor<3> {
         #[cfg(feature = "cube-kernels")]
-        if let UnitOps::Kernels = self.ops {
+        if let UnitOps::Kernels = self.ops
+            && super::unit_kernels::mixes(&weights.matrices, &units, addend.as_ref())
+        {
             return super::unit_kernels::mix(weights, units, addend, slot);
         }
         let _ = slot;

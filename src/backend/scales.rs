@@ -133,10 +133,7 @@ impl Scales {
         match self {
             Self::Host { values, columns } => value * values[row * columns + column],
             Self::Tracked { values, columns } => {
-                let index = (row * columns + column) as i64;
-                let position = Tensor::<1, Int>::from_data([index], &values.device());
-                let entry = values.as_ref().clone().select(0, position);
-                value * entry.reshape([1usize; D])
+                selected_scale(values.as_ref().clone(), row * columns + column, value)
             }
             Self::Views { entries, used } => {
                 let entry = entries[row][column - used.first_column(row)].clone();
@@ -153,13 +150,17 @@ impl Scales {
                 let values = values.as_ref().clone();
                 if !super::indexes_in_32_bits(value.shape().num_elements()) {
                     // Past the chain's kernel (32-bit indices): Burn's ops, as `Tracked`.
-                    let position = Tensor::<1, Int>::from_data([index as i64], &values.device());
-                    let entry = values.reshape([-1]).select(0, position);
-                    return value * entry.reshape([1usize; D]);
+                    return selected_scale(values.reshape([-1]), index, value);
                 }
                 let entry = entries[index].clone();
                 super::scale_entries::chained(chain, values, entry, index, value)
             }
         }
     }
+}
+
+/// `flat[index] · value`, the entry selected by Burn's ops (its gradient through the select).
+fn selected_scale<const D: usize>(flat: Tensor<1>, index: usize, value: Tensor<D>) -> Tensor<D> {
+    let position = Tensor::<1, Int>::from_data([index as i64], &flat.device());
+    value * flat.select(0, position).reshape([1usize; D])
 }

@@ -128,7 +128,8 @@ for program in bench_connectivity kernel_counts lm_wrap conformance; do
     ln -sf ../gpu_suite ".gpu/bin/$program"
 done
 # The binary leaves LLVM's symbols unresolved (tools/gpu/build.sh); the stub library defines them.
-RUN=(env LD_PRELOAD="$PWD/.gpu/libllvmstub.so")
+STUB="$PWD/.gpu/libllvmstub.so"
+RUN=(env LD_PRELOAD="$STUB")
 BIN=.gpu/bin
 # The driver's libcuda and NVRTC (cudarc loads both at run time).
 for d in /usr/local/nvidia/lib64 /usr/local/nvidia/lib /usr/local/cuda/lib64 \
@@ -280,8 +281,7 @@ run_stage() {
             cubecl_toml /tmp/ncu ''
             # ncu follows its target through LD_PRELOAD: `env LD_PRELOAD=stub` (RUN) would drop
             # ncu's own library, so the stub is put in front of what ncu set, not in its place.
-            local keep=(bash -c 'LD_PRELOAD="$0${LD_PRELOAD:+:$LD_PRELOAD}" exec "$@"'
-                "$PWD/.gpu/libllvmstub.so")
+            local keep=(bash -c 'LD_PRELOAD="$0${LD_PRELOAD:+:$LD_PRELOAD}" exec "$@"' "$STUB")
             for kernel in '[Nn]ormalised_?[Ff]orward' '[Nn]ormalised_?[Bb]ackward' \
                 '[Ww]eights_?[Pp]roduct'; do
                 (cd /tmp/ncu && step 60 "$ncu" --target-processes all --kernel-name "regex:$kernel" \

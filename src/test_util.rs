@@ -406,6 +406,67 @@ fn assert_kernels_match(kernels: &[TensorData], composed: &[TensorData], case: &
     }
 }
 
+/// How far an f16 result may be from its f32 value, relative to the result's largest entry:
+/// four of f16's unit roundoffs (`2⁻¹¹` each), for the rounding of the inputs and the one of
+/// each sum where it is stored. Sums of a thousand and more terms kept in f16 land past it.
+#[cfg(feature = "wgpu")]
+pub const HALF_SUMS_BOUND: f32 = 4.0 / 2048.0;
+
+/// A fused op's sums in f16: `run(dtype, kernels)` gives its results (values and gradients,
+/// read back as f32) for inputs in `dtype`, through the CubeCL kernels or the composed tensor
+/// ops. Through the kernels in f16 each result is within [`HALF_SUMS_BOUND`] of the composed
+/// f32 one (relative to its largest entry; the composed f16 one is printed beside it), and
+/// with the kernels summing in f16
+/// (`with_half_sums_in_own_type`, the mutation) at least one is past it, so that the check
+/// tells the two apart. `case` names the op.
+#[cfg(feature = "wgpu")]
+pub fn assert_half_sums_in_f32(
+    case: &str,
+    run: impl Fn(burn::tensor::FloatDType, bool) -> Vec<TensorData>,
+) {
+    use crate::backend::{half_precision_test, with_half_sums_in_own_type};
+    use burn::tensor::FloatDType;
+    half_precision_test(|| {
+        let exact = run(FloatDType::F32, false);
+        let errors = |results: Vec<TensorData>| -> Vec<f32> {
+            assert_eq!(results.len(), exact.len(), "{case}: one result each");
+            results
+                .iter()
+                .zip(&exact)
+                .map(|(got, want)| {
+                    let got: Vec<f32> = got.iter::<f32>().collect();
+                    let want: Vec<f32> = want.iter::<f32>().collect();
+                    let largest = want.iter().fold(0.0f32, |top, v| top.max(v.abs()));
+                    let worst = got
+                        .iter()
+                        .zip(&want)
+                        .fold(0.0f32, |top, (g, w)| top.max((g - w).abs()));
+                    worst / largest
+                })
+                .collect()
+        };
+        let kernels = errors(run(FloatDType::F16, true));
+        let composed = errors(run(FloatDType::F16, false));
+        let own_type = errors(with_half_sums_in_own_type(|| run(FloatDType::F16, true)));
+        eprintln!(
+            "{case}: f16 errors {kernels:?}, composed {composed:?}, own-type sums {own_type:?}"
+        );
+        for (index, error) in kernels.iter().enumerate() {
+            assert!(
+                *error <= HALF_SUMS_BOUND,
+                "{case}: result {index} in f16 is {error:e} of its scale from f32 (composed: \
+                 {:e}), past {HALF_SUMS_BOUND:e}",
+                composed[index]
+            );
+        }
+        assert!(
+            own_type.iter().any(|error| *error > HALF_SUMS_BOUND),
+            "{case}: summed in f16 every result is still within {HALF_SUMS_BOUND:e} \
+             ({own_type:?}): the check cannot tell"
+        );
+    });
+}
+
 /// The gradient of `param` in `grads` as data (panics if it has none).
 #[cfg(feature = "wgpu")]
 pub fn gradient_data<const D: usize>(

@@ -3,11 +3,12 @@
 
 use burn::backend::cubecl::dtype_to_storage_type;
 use burn::backend::ops::FloatTensorOps;
-use burn::tensor::Shape;
+use burn::tensor::{DType, Shape};
 use burn_cubecl::CubeBackend;
 use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::tensor::CubeTensor;
+use cubecl::ir::ElemType;
 use cubecl::{CubeCount, CubeDim, calculate_cube_count_elemwise};
 
 /// Bytes of shared memory a cube may use for its partial sums (half of the 32 kB that every
@@ -30,6 +31,66 @@ pub(crate) fn per_item(tensor: &CubeTensor, items: usize, threads: usize) -> (Cu
     let dim = CubeDim::new_1d(threads as u32);
     let count = calculate_cube_count_elemwise(&tensor.client, items * threads, dim);
     (count, dim)
+}
+
+/// The float type of a kernel's tensors and the type it sums in: `f32` for `f16` and `bf16`,
+/// whose 11- and 8-bit significands lose long sums (a row's norm over thousands of entries, a
+/// weight's gradient over thousands of tokens), else the tensors' own type. Each sum then
+/// rounds once, where it is stored, as Burn's matmul and reductions do.
+pub(crate) fn float_types(dtype: DType) -> [ElemType; 2] {
+    let accumulator = match dtype {
+        DType::F16 | DType::BF16 if !half_sums_in_own_type() => DType::F32,
+        other => other,
+    };
+    [
+        dtype_to_storage_type(dtype),
+        dtype_to_storage_type(accumulator),
+    ]
+}
+
+/// Whether [`float_types`] sums f16 and bf16 in their own type: only inside
+/// [`with_half_sums_in_own_type`], in tests.
+fn half_sums_in_own_type() -> bool {
+    #[cfg(test)]
+    return HALF_SUMS_IN_OWN_TYPE.load(std::sync::atomic::Ordering::SeqCst);
+    #[cfg(not(test))]
+    false
+}
+
+#[cfg(test)]
+static HALF_SUMS_IN_OWN_TYPE: std::sync::atomic::AtomicBool =
+    std::sync::atomic::AtomicBool::new(false);
+
+/// Held by each half-precision test ([`half_precision_test`]): one at a time, so that the own
+/// type's sums of one never reach another.
+#[cfg(test)]
+static HALF_TESTS: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// Runs a half-precision test alone among them (see [`with_half_sums_in_own_type`]).
+#[cfg(test)]
+pub(crate) fn half_precision_test<R>(run: impl FnOnce() -> R) -> R {
+    let _held = HALF_TESTS
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    run()
+}
+
+/// Runs `run` with the kernels summing f16 and bf16 in their own type, as they did before
+/// [`float_types`]: the mutation a half-precision test must tell apart. Call it inside
+/// [`half_precision_test`]; `run` must read back what it checks (the kernels may launch from
+/// the device's runner thread, later). Restored also on a panic.
+#[cfg(test)]
+pub(crate) fn with_half_sums_in_own_type<R>(run: impl FnOnce() -> R) -> R {
+    use std::sync::atomic::Ordering;
+    struct Restore;
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            HALF_SUMS_IN_OWN_TYPE.store(false, Ordering::SeqCst);
+        }
+    }
+    HALF_SUMS_IN_OWN_TYPE.store(true, Ordering::SeqCst);
+    let _restore = Restore;
+    run()
 }
 
 /// A launch of one unit per element, for `len` elements on `like`'s device.
@@ -254,7 +315,8 @@ pub(crate) fn grid_stride(like: &CubeTensor, len: usize, slots: usize) -> (usize
     (threads, cubes)
 }
 
-/// `Σ_c partials[c, k]` for every column `k` of `partials [cubes, K]`: `[K]`, one small kernel.
+/// `Σ_c partials[c, k]` for every column `k` of `partials [cubes, K]`: `[K]`, one small kernel,
+/// summed as [`float_types`] says.
 pub(crate) fn column_sums(partials: CubeTensor) -> CubeTensor {
     let columns = partials.meta.shape()[1];
     let sums = empty(&partials, Shape::new([columns]));
@@ -265,7 +327,7 @@ pub(crate) fn column_sums(partials: CubeTensor) -> CubeTensor {
         dim,
         partials.clone().into_tensor_arg(),
         sums.clone().into_tensor_arg(),
-        dtype_to_storage_type(partials.dtype),
+        float_types(partials.dtype),
     );
     sums
 }
@@ -277,7 +339,7 @@ const PRODUCT_CUBES: usize = 512;
 const PRODUCT_ROWS: usize = 32;
 
 /// `xᵀ (s ⊙ δ)` for `rows [R, w]` and `scaled_grad [R, C]`, the gradient of a projection's
-/// weights (`[w, C]`, `C` a few dozen at most), accumulated in the tensors' own float type.
+/// weights (`[w, C]`, `C` a few dozen at most), summed as [`float_types`] says.
 ///
 /// Each cube takes a run of rows and `CUBE_DIM` columns of `x`, one unit per column (the reads of
 /// `x` coalesced, each row of `s ⊙ δ` read by every unit alike), and writes its partial sums as
@@ -320,7 +382,7 @@ pub(crate) fn weights_product(rows: CubeTensor, scaled_grad: CubeTensor) -> Cube
         columns,
         column_cubes,
         rows_per_step,
-        dtype_to_storage_type(rows.dtype),
+        float_types(rows.dtype),
     );
     Cube::float_reshape(column_sums(partials), Shape::new([width, columns]))
 }
@@ -502,10 +564,10 @@ pub(crate) mod kernels {
     /// says whether they are `[columns, 1]`) into `tile`, `padded` apart, zero past `w`. The
     /// units read consecutive addresses in either layout.
     #[cube]
-    pub(crate) fn load_weight_tile<E: Float>(
+    pub(crate) fn load_weight_tile<E: Float, A: Float>(
         weights: &Tensor<E>,
         start: usize,
-        tile: &mut Shared<[E]>,
+        tile: &mut Shared<[A]>,
         #[comptime] columns: usize,
         #[comptime] threads: usize,
         #[comptime] padded: usize,
@@ -522,9 +584,9 @@ pub(crate) mod kernels {
                 c = index % columns;
             }
             let j = start + entry;
-            let mut value = E::new(0.0);
+            let mut value = A::new(0.0);
             if j < width {
-                value = weight_at::<E>(weights, j, c, columns, contiguous);
+                value = A::cast_from(weight_at::<E>(weights, j, c, columns, contiguous));
             }
             tile[entry * padded + c] = value;
             index += threads;
@@ -540,13 +602,13 @@ pub(crate) mod kernels {
     /// same prefetch in the row gradient's pass, which also reads the previous gradient and
     /// the block input's, made that kernel slower (0.75 to 1.13 ms), so it has none.
     #[cube]
-    pub(crate) fn row_entries<E: Float>(
+    pub(crate) fn row_entries<E: Float, A: Float>(
         rows: &Tensor<E>,
         width: usize,
         row: usize,
         live: bool,
         start: usize,
-        xs: &mut Array<E>,
+        xs: &mut Array<A>,
         #[comptime] tiles: RowTiles,
     ) {
         let group = comptime!(tiles.group);
@@ -554,9 +616,9 @@ pub(crate) mod kernels {
         #[unroll]
         for e in 0..comptime!(tiles.threads / group) {
             let j = start + in_group + e * group;
-            let mut x = E::new(0.0);
+            let mut x = A::new(0.0);
             if live && j < width {
-                x = rows[row * width + j];
+                x = A::cast_from(rows[row * width + j]);
             }
             xs[e] = x;
         }
@@ -570,12 +632,12 @@ pub(crate) mod kernels {
     /// `shared[r · group · slots]` (the tile shares the buffer: `shared` entries of it).
     #[cube]
     #[allow(clippy::too_many_arguments)]
-    pub(crate) fn tiled_projection<E: Float>(
+    pub(crate) fn tiled_projection<E: Float, A: Float>(
         rows: &Tensor<E>,
         weights: &Tensor<E>,
         other: &Tensor<E>,
         first: usize,
-        shared: &mut Shared<[E]>,
+        shared: &mut Shared<[A]>,
         #[comptime] columns: usize,
         #[comptime] views: usize,
         #[comptime] tiles: RowTiles,
@@ -592,17 +654,17 @@ pub(crate) mod kernels {
         let live = row < rows.shape(0);
         let view_width = width / comptime!(views.max(1));
         // Unrolled: the partial sums stay in registers.
-        let mut partial = Array::<E>::new(slots);
+        let mut partial = Array::<A>::new(slots);
         #[unroll]
         for s in 0..slots {
-            partial[s] = E::new(0.0);
+            partial[s] = A::new(0.0);
         }
         let per_unit = comptime!(threads / group);
-        let mut xs = Array::<E>::new(per_unit);
+        let mut xs = Array::<A>::new(per_unit);
         let mut start = 0usize;
         while start < width {
-            row_entries::<E>(rows, width, row, live, start, &mut xs, tiles);
-            load_weight_tile::<E>(weights, start, shared, columns, threads, padded, contiguous);
+            row_entries::<E, A>(rows, width, row, live, start, &mut xs, tiles);
+            load_weight_tile::<E, A>(weights, start, shared, columns, threads, padded, contiguous);
             sync_cube();
             if live {
                 #[unroll]
@@ -620,7 +682,8 @@ pub(crate) mod kernels {
                         let inside = j < width;
                         if inside {
                             let view = j / view_width;
-                            let product = x * other[row * view_width + j % view_width];
+                            let product =
+                                x * A::cast_from(other[row * view_width + j % view_width]);
                             #[unroll]
                             for k in 0..views {
                                 if view == k {
@@ -661,22 +724,22 @@ pub(crate) mod kernels {
     /// group's sums from `shared` (`threads` entries used). The tiled form with no columns
     /// passed the tiles with two cube syncs each; this has two in all.
     #[cube]
-    pub(crate) fn row_squares<E: Float>(
+    pub(crate) fn row_squares<E: Float, A: Float>(
         rows: &Tensor<E>,
         first: usize,
-        shared: &mut Shared<[E]>,
+        shared: &mut Shared<[A]>,
         #[comptime] tiles: RowTiles,
-    ) -> E {
+    ) -> A {
         let group = comptime!(tiles.group);
         let width = rows.shape(1);
         let unit = UNIT_POS as usize;
         let row = first + unit / group;
         let live = row < rows.shape(0);
-        let mut partial = E::new(0.0);
-        let mut xs = Array::<E>::new(comptime!(tiles.threads / group));
+        let mut partial = A::new(0.0);
+        let mut xs = Array::<A>::new(comptime!(tiles.threads / group));
         let mut start = 0usize;
         while start < width {
-            row_entries::<E>(rows, width, row, live, start, &mut xs, tiles);
+            row_entries::<E, A>(rows, width, row, live, start, &mut xs, tiles);
             #[unroll]
             for e in 0..comptime!(tiles.threads / group) {
                 partial += xs[e] * xs[e];
@@ -703,12 +766,12 @@ pub(crate) mod kernels {
     /// row's group takes every `group`-th entry of `other`'s row and the `views` entries of the
     /// row it multiplies.
     #[cube]
-    pub(crate) fn row_view_products<E: Float>(
+    pub(crate) fn row_view_products<E: Float, A: Float>(
         rows: &Tensor<E>,
         other: &Tensor<E>,
         first: usize,
-        shared: &mut Shared<[E]>,
-        totals: &mut Array<E>,
+        shared: &mut Shared<[A]>,
+        totals: &mut Array<A>,
         #[comptime] views: usize,
         #[comptime] tiles: RowTiles,
     ) {
@@ -717,18 +780,18 @@ pub(crate) mod kernels {
         let row = first + unit / group;
         let width = rows.shape(1);
         let view_width = width / views;
-        let mut partial = Array::<E>::new(views);
+        let mut partial = Array::<A>::new(views);
         #[unroll]
         for k in 0..views {
-            partial[k] = E::new(0.0);
+            partial[k] = A::new(0.0);
         }
         if row < rows.shape(0) {
             let mut j = unit % group;
             while j < view_width {
-                let o = other[row * view_width + j];
+                let o = A::cast_from(other[row * view_width + j]);
                 #[unroll]
                 for k in 0..views {
-                    partial[k] += rows[row * width + k * view_width + j] * o;
+                    partial[k] += A::cast_from(rows[row * width + k * view_width + j]) * o;
                 }
                 j += group;
             }
@@ -740,12 +803,12 @@ pub(crate) mod kernels {
         sync_cube();
         #[unroll]
         for k in 0..views {
-            totals[k] = E::new(0.0);
+            totals[k] = A::new(0.0);
         }
         if unit < comptime!(tiles.threads / group) {
             #[unroll]
             for k in 0..views {
-                let mut total = E::new(0.0);
+                let mut total = A::new(0.0);
                 #[unroll]
                 for g in 0..group {
                     total += shared[(unit * group + g) * views + k];
@@ -762,18 +825,18 @@ pub(crate) mod kernels {
     /// with `views > 0` (`step`, `scale`, `along` and `gains` the unit's row's).
     #[cube]
     #[allow(clippy::too_many_arguments)]
-    pub(crate) fn tiled_row_gradient<E: Float>(
+    pub(crate) fn tiled_row_gradient<E: Float, A: Float>(
         rows: &Tensor<E>,
         weights: &Tensor<E>,
         previous: &Tensor<E>,
         other: &Tensor<E>,
         grad_rows: &mut Tensor<E>,
         first: usize,
-        shared: &mut Shared<[E]>,
-        step: &Array<E>,
-        scale: E,
-        along: E,
-        gains: &Array<E>,
+        shared: &mut Shared<[A]>,
+        step: &Array<A>,
+        scale: A,
+        along: A,
+        gains: &Array<A>,
         #[comptime] columns: usize,
         #[comptime] views: usize,
         #[comptime] with_previous: bool,
@@ -791,7 +854,7 @@ pub(crate) mod kernels {
         let view_width = width / comptime!(views.max(1));
         let mut start = 0usize;
         while start < width {
-            load_weight_tile::<E>(weights, start, shared, columns, threads, padded, contiguous);
+            load_weight_tile::<E, A>(weights, start, shared, columns, threads, padded, contiguous);
             sync_cube();
             if live {
                 let mut entry = in_group;
@@ -800,23 +863,23 @@ pub(crate) mod kernels {
                     if j < width {
                         let at = row * width + j;
                         let mut value = scale
-                            * tile_dot::<E>(&*shared, entry, step, columns, padded)
-                            + along * rows[at];
+                            * tile_dot::<A>(&*shared, entry, step, columns, padded)
+                            + along * A::cast_from(rows[at]);
                         if comptime!(with_previous) {
-                            value += previous[at];
+                            value += A::cast_from(previous[at]);
                         }
                         if comptime!(views > 0) {
                             let view = j / view_width;
-                            let mut gain = E::new(0.0);
+                            let mut gain = A::new(0.0);
                             #[unroll]
                             for k in 0..views {
                                 if view == k {
                                     gain = gains[k];
                                 }
                             }
-                            value += gain * other[row * view_width + j % view_width];
+                            value += gain * A::cast_from(other[row * view_width + j % view_width]);
                         }
-                        grad_rows[at] = value;
+                        grad_rows[at] = E::cast_from(value);
                     }
                     entry += group;
                 }
@@ -849,7 +912,7 @@ pub(crate) mod kernels {
     /// [`weights_product`](super::weights_product)).
     #[cube(launch)]
     #[allow(clippy::too_many_arguments)]
-    pub(crate) fn weights_product_kernel<E: Float>(
+    pub(crate) fn weights_product_kernel<E: Float, A: Float>(
         rows: &Tensor<E>,
         scaled_grad: &Tensor<E>,
         partials: &mut Tensor<E>,
@@ -857,7 +920,7 @@ pub(crate) mod kernels {
         #[comptime] columns: usize,
         #[comptime] column_cubes: usize,
         #[comptime] rows_per_step: usize,
-        #[define(E)] _dtype: ElemType,
+        #[define(E, A)] _dtypes: [ElemType; 2],
     ) {
         let cube = CUBE_POS;
         let chunk = cube / column_cubes;
@@ -872,58 +935,58 @@ pub(crate) mod kernels {
         if last > count {
             last = count;
         }
-        let mut sums = Array::<E>::new(columns);
+        let mut sums = Array::<A>::new(columns);
         #[unroll]
         for c in 0..columns {
-            sums[c] = E::new(0.0);
+            sums[c] = A::new(0.0);
         }
         let mut r = first;
-        let mut xs = Array::<E>::new(rows_per_step);
+        let mut xs = Array::<A>::new(rows_per_step);
         while r + rows_per_step <= last {
             #[unroll]
             for u in 0..rows_per_step {
-                xs[u] = rows[(r + u) * width + j];
+                xs[u] = A::cast_from(rows[(r + u) * width + j]);
             }
             #[unroll]
             for u in 0..rows_per_step {
                 #[unroll]
                 for c in 0..columns {
-                    sums[c] += xs[u] * scaled_grad[(r + u) * columns + c];
+                    sums[c] += xs[u] * A::cast_from(scaled_grad[(r + u) * columns + c]);
                 }
             }
             r += rows_per_step;
         }
         while r < last {
-            let x = rows[r * width + j];
+            let x = A::cast_from(rows[r * width + j]);
             #[unroll]
             for c in 0..columns {
-                sums[c] += x * scaled_grad[r * columns + c];
+                sums[c] += x * A::cast_from(scaled_grad[r * columns + c]);
             }
             r += 1;
         }
         let base = (chunk * width + j) * columns;
         #[unroll]
         for c in 0..columns {
-            partials[base + c] = sums[c];
+            partials[base + c] = E::cast_from(sums[c]);
         }
     }
 
     /// `sums[k] = Σ_c partials[c, k]`; one unit per column.
     #[cube(launch)]
-    pub(crate) fn column_sums_kernel<E: Float>(
+    pub(crate) fn column_sums_kernel<E: Float, A: Float>(
         partials: &Tensor<E>,
         sums: &mut Tensor<E>,
-        #[define(E)] _dtype: ElemType,
+        #[define(E, A)] _dtypes: [ElemType; 2],
     ) {
         let k = ABSOLUTE_POS;
         let columns = partials.shape(1);
         if k >= columns {
             terminate!();
         }
-        let mut total = E::new(0.0);
+        let mut total = A::new(0.0);
         for c in 0..partials.shape(0) {
-            total += partials[c * columns + k];
+            total += A::cast_from(partials[c * columns + k]);
         }
-        sums[k] = total;
+        sums[k] = E::cast_from(total);
     }
 }

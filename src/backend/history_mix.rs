@@ -613,6 +613,45 @@ mod tests {
         assert_fused_matches_composed(&Device::flex(), &[FloatDType::F32, FloatDType::F64], 1e-4);
     }
 
+    /// In f16 the kernels sum in f32: the mixes and `∂W` over states of 2²⁰ entries, whose
+    /// 1024 cubes' partial sums `column_sums` adds (the offsets make the sums grow against
+    /// each term; the probes' 1e-2 keeps them inside f16's range). The composed reference runs
+    /// on Flex: on wgpu (lavapipe), Burn 0.22.1's gradient of a `[1, 1, 1]` factor broadcast
+    /// over these states came out about a quarter of its value (262132 for 2²⁰ ones).
+    #[cfg(feature = "wgpu")]
+    #[test]
+    fn half_precision_kernels_sum_in_f32() {
+        use crate::test_util::fixed_normal;
+        let wgpu = crate::device::device("wgpu").expect("wgpu compiled in");
+        let plan: Plan = vec![vec![], vec![0], vec![0, 1]];
+        let shape = [4, 512, 512];
+        let draw = |seed: u64, mean: f64, std: f64| fixed_normal(shape, std, seed, &wgpu) + mean;
+        let x = draw(1, 1.0, 0.3);
+        let scales: Vec<Tensor<3>> = (0..plan.len())
+            .map(|n| draw(10 + n as u64, 1.0, 0.2))
+            .collect();
+        let probes: Vec<Tensor<3>> = (0..plan.len())
+            .map(|n| draw(20 + n as u64, 1e-2, 3e-3))
+            .collect();
+        let weights = fixed_normal([weight_count(&plan)], 0.2, 30, &wgpu) + 0.5;
+        let used: Vec<usize> = (0..plan.len()).collect();
+        crate::test_util::assert_half_sums_in_f32("history mix", |dtype, fused| {
+            let device = if fused { wgpu.clone() } else { Device::flex() };
+            let on =
+                |tensor: &Tensor<3>| Tensor::<3>::from_data(tensor.to_data(), &device).cast(dtype);
+            let inputs = Inputs {
+                x: on(&x),
+                scales: scales.iter().map(on).collect(),
+                weights: Tensor::<1>::from_data(weights.to_data(), &device).cast(dtype),
+                probes: probes.iter().map(on).collect(),
+            };
+            let (mut results, gradients) = run(&plan, &inputs, &used, fused, false);
+            // The other gradients pass through Burn's element-wise ops in f16 as well.
+            results.extend(gradients.last().cloned());
+            results
+        });
+    }
+
     /// The CubeCL kernels (one per mix forward and backward, the states in one buffer). `∂W`
     /// entries are f32 sums of ~10⁴ products, summed in another order than Burn's reduction:
     /// they agree to ~2e-4 relative.

@@ -23,7 +23,6 @@ use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use burn::backend::autodiff::{Autodiff, NodeId};
-use burn::backend::cubecl::dtype_to_storage_type;
 use burn::backend::fusion::custom::TensorSpec;
 use burn::backend::ops::FloatTensorOps;
 use burn::backend::tensor::FloatTensor;
@@ -36,7 +35,9 @@ use cubecl::{CubeCount, CubeDim};
 
 use super::ALIGNED_BYTES;
 use super::autodiff::{cast_to, constant, tracked_op};
-use super::cube_launch::{column_sums, empty, grid_stride, placeholder_spec, row_prefix};
+use super::cube_launch::{
+    column_sums, empty, float_types, grid_stride, placeholder_spec, row_prefix,
+};
 
 /// The scalar views (see the [module docs](self)).
 #[backend_extension(
@@ -330,7 +331,7 @@ impl ScaleChainBackend for CubeBackend {
             wanted.stream,
             wanted.values,
             threads,
-            dtype_to_storage_type(grad.dtype),
+            float_types(grad.dtype),
         );
         let grad_values = if wanted.hand_over {
             let sums = column_sums(partials);
@@ -446,7 +447,7 @@ mod kernels {
     /// `partials[cube, index] += ⟨s, ∂y⟩` over the cube's elements. A grid-stride loop.
     #[cube(launch)]
     #[allow(clippy::too_many_arguments)]
-    pub(super) fn chain_backward_kernel<E: Float>(
+    pub(super) fn chain_backward_kernel<E: Float, A: Float>(
         entry: &Tensor<E>,
         stream: &Tensor<E>,
         grad: &Tensor<E>,
@@ -456,11 +457,11 @@ mod kernels {
         #[comptime] stream_wanted: bool,
         #[comptime] values_wanted: bool,
         #[comptime] threads: usize,
-        #[define(E)] _dtype: ElemType,
+        #[define(E, A)] _dtypes: [ElemType; 2],
     ) {
         let len = grad.len();
         let value = entry[0];
-        let mut dot = E::new(0.0);
+        let mut dot = A::new(0.0);
         let stride = CUBE_COUNT * threads;
         let mut i = CUBE_POS * threads + UNIT_POS as usize;
         while i < len {
@@ -469,17 +470,17 @@ mod kernels {
                 grad_stream[i] = value * g;
             }
             if comptime!(values_wanted) {
-                dot += stream[i] * g;
+                dot += A::cast_from(stream[i]) * A::cast_from(g);
             }
             i += stride;
         }
         if comptime!(values_wanted) {
             let unit = UNIT_POS as usize;
-            let mut shared = Shared::<[E]>::new_slice(threads);
-            let total = cube_total::<E>(dot, &mut shared);
+            let mut shared = Shared::<[A]>::new_slice(threads);
+            let total = cube_total::<A>(dot, &mut shared);
             let at = CUBE_POS * partials.shape(1) + index;
             if unit == 0 {
-                partials[at] += total;
+                partials[at] += E::cast_from(total);
             }
         }
     }

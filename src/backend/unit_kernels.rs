@@ -760,6 +760,35 @@ mod tests {
         }
     }
 
+    /// The projection in f16 sums in f32: its value and both gradients over rows of 3072
+    /// entries (sums of squares and `x W`) and 128 rows (`∂W`).
+    #[test]
+    fn half_precision_projections_sum_in_f32() {
+        let device = wgpu();
+        let (count, width, columns) = (128, 3072, 24);
+        let scale = RowScale {
+            numerator: (width as f64).sqrt(),
+            offset: 1e-6,
+            floor: 0.0,
+            root_offset: 0.0,
+        };
+        // Offset entries, so that the sums grow large against each term.
+        let rows = random([count, width], 2, &device) + 1.0;
+        let weights = random([width, columns], 3, &device) + 0.5;
+        let probe = random([count, columns], 4, &device) + 0.5;
+        crate::test_util::assert_half_sums_in_f32("projection", |dtype, kernels| {
+            let inputs = [rows.clone().cast(dtype), weights.clone().cast(dtype)];
+            let probe = probe.clone().cast(dtype);
+            values_and_gradients(&inputs, &probe, |x| {
+                if kernels {
+                    projection(x[0].clone(), x[1].clone(), scale)
+                } else {
+                    composed_normed_projection(x[0].clone(), x[1].clone(), scale)
+                }
+            })
+        });
+    }
+
     /// The mixing kernels against the composed tensor ops on wgpu, forward and every gradient:
     /// with and without `β h`, connections per token and shared by every token (whose
     /// gradients sum over the tokens), connections read as rows of transposed matrices (as the

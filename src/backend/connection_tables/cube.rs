@@ -10,7 +10,7 @@ use cubecl::{CubeCount, CubeDim};
 
 use super::{ConnectionTableBackend, normalised_columns};
 use crate::backend::cube_launch::{
-    Cube, ProjectionPath, RowTiles, empty, knobs, per_element, per_item, threads_for,
+    Cube, ProjectionPath, RowTiles, empty, float_types, knobs, per_element, per_item, threads_for,
     weights_product,
 };
 use crate::backend::kernel_constant;
@@ -84,7 +84,7 @@ impl ConnectionTableBackend for CubeBackend {
             kernel_constant(numerator),
             kernel_constant(offset),
             kernel_constant(floor),
-            dtype_to_storage_type(rows.dtype),
+            float_types(rows.dtype),
         );
         (table, projection)
     }
@@ -163,7 +163,7 @@ impl ConnectionTableBackend for CubeBackend {
             kernel_constant(numerator),
             kernel_constant(offset),
             kernel_constant(floor),
-            dtype_to_storage_type(rows.dtype),
+            float_types(rows.dtype),
         );
         let product = weights_product(rows.clone(), scaled_grad);
         let grad_mixing_weights = empty(&rows, Shape::new([width, columns]));
@@ -198,7 +198,7 @@ impl ConnectionTableBackend for CubeBackend {
             input_views,
             row_cubes,
             SUM_THREADS,
-            dtype_to_storage_type(rows.dtype),
+            float_types(rows.dtype),
         );
         (
             grad_rows,
@@ -277,7 +277,7 @@ impl ConnectionTableBackend for CubeBackend {
             kernel_constant(numerator),
             kernel_constant(offset),
             kernel_constant(root_offset),
-            dtype_to_storage_type(rows.dtype),
+            float_types(rows.dtype),
         );
         (table, projection)
     }
@@ -375,7 +375,7 @@ impl ConnectionTableBackend for CubeBackend {
             kernel_constant(numerator),
             kernel_constant(offset),
             kernel_constant(root_offset),
-            dtype_to_storage_type(rows.dtype),
+            float_types(rows.dtype),
         );
         let grad_rows = if let Some(weights_transposed) = weights_transposed {
             let product =
@@ -418,7 +418,7 @@ impl ConnectionTableBackend for CubeBackend {
             columns,
             packed_scales,
             SUM_THREADS,
-            dtype_to_storage_type(rows.dtype),
+            float_types(rows.dtype),
         );
         (
             grad_rows,
@@ -450,31 +450,31 @@ mod kernels {
     /// summed over the cube into the first `columns + 2` entries of `shared`.
     #[cube]
     #[allow(clippy::too_many_arguments)]
-    fn gated_projection<E: Float>(
+    fn gated_projection<E: Float, A: Float>(
         rows: &Tensor<E>,
         mixing_weights: &Tensor<E>,
         depth_weights: &Tensor<E>,
         gain: &Tensor<E>,
         row: usize,
-        shared: &mut Shared<[E]>,
+        shared: &mut Shared<[A]>,
         #[comptime] columns: usize,
         #[comptime] threads: usize,
     ) {
         let width = rows.shape(1);
         let unit = UNIT_POS as usize;
         let slots = comptime!(columns + 2);
-        let mut partial = Array::<E>::new(slots);
+        let mut partial = Array::<A>::new(slots);
         for c in 0..slots {
-            partial[c] = E::new(0.0);
+            partial[c] = A::new(0.0);
         }
         let mut j = unit;
         while j < width {
-            let x = rows[row * width + j];
-            let scaled = x * (E::new(1.0) + gain[j]);
+            let x = A::cast_from(rows[row * width + j]);
+            let scaled = x * (A::new(1.0) + A::cast_from(gain[j]));
             for c in 0..columns {
-                partial[c] += scaled * mixing_weights[j * columns + c];
+                partial[c] += scaled * A::cast_from(mixing_weights[j * columns + c]);
             }
-            partial[columns] += scaled * depth_weights[j];
+            partial[columns] += scaled * A::cast_from(depth_weights[j]);
             partial[comptime!(columns + 1)] += x * x;
             j += threads;
         }
@@ -482,7 +482,7 @@ mod kernels {
             shared[unit * slots + c] = partial[c];
         }
         sync_cube();
-        sum_over_cube::<E>(shared, slots);
+        sum_over_cube::<A>(shared, slots);
     }
 
     /// `act(p)`: `tanh` or the identity.
@@ -507,7 +507,7 @@ mod kernels {
 
     #[cube(launch)]
     #[allow(clippy::too_many_arguments)]
-    pub(super) fn gated_forward_kernel<E: Float>(
+    pub(super) fn gated_forward_kernel<E: Float, A: Float>(
         rows: &Tensor<E>,
         mixing_weights: &Tensor<E>,
         depth_weights: &Tensor<E>,
@@ -525,14 +525,14 @@ mod kernels {
         #[comptime] numerator_bits: u32,
         #[comptime] offset_bits: u32,
         #[comptime] floor_bits: u32,
-        #[define(E)] _dtype: ElemType,
+        #[define(E, A)] _dtypes: [ElemType; 2],
     ) {
         let row = CUBE_POS;
         if row >= rows.shape(0) {
             terminate!();
         }
-        let mut shared = Shared::<[E]>::new_slice(comptime!(threads * (columns + 2)));
-        gated_projection::<E>(
+        let mut shared = Shared::<[A]>::new_slice(comptime!(threads * (columns + 2)));
+        gated_projection::<E, A>(
             rows,
             mixing_weights,
             depth_weights,
@@ -543,7 +543,7 @@ mod kernels {
             threads,
         );
         let scale = row_scale::<E>(
-            shared[comptime!(columns + 1)].sqrt(),
+            E::cast_from(shared[comptime!(columns + 1)].sqrt()),
             numerator_bits,
             offset_bits,
             floor_bits,
@@ -551,14 +551,14 @@ mod kernels {
         // `p` and `‖x‖²`, kept for the backward, which then projects nothing again.
         let mut c = UNIT_POS as usize;
         while c < comptime!(columns + 2) {
-            projection[row * comptime!(columns + 2) + c] = shared[c];
+            projection[row * comptime!(columns + 2) + c] = E::cast_from(shared[c]);
             c += threads;
         }
         let t = row / units;
         let q = row % units;
         let mut c = UNIT_POS as usize;
         while c <= columns {
-            let value = activation::<E>(shared[c] * scale, tanh);
+            let value = activation::<E>(E::cast_from(shared[c]) * scale, tanh);
             let entry = if c < columns {
                 mixing_scale[0] * value + mixing_static[q * columns + c]
             } else {
@@ -573,26 +573,26 @@ mod kernels {
     /// the first `views` entries of `inner` (gated rows: one unit of token `t` each).
     #[cube]
     #[allow(clippy::too_many_arguments)]
-    fn view_products<E: Float>(
+    fn view_products<E: Float, A: Float>(
         rows: &Tensor<E>,
         input_grad: &Tensor<E>,
         row: usize,
         t: usize,
         width: usize,
-        inner: &mut Shared<[E]>,
+        inner: &mut Shared<[A]>,
         #[comptime] views: usize,
         #[comptime] threads: usize,
     ) {
         let unit = UNIT_POS as usize;
-        let mut partial = Array::<E>::new(views);
+        let mut partial = Array::<A>::new(views);
         for v in 0..views {
-            partial[v] = E::new(0.0);
+            partial[v] = A::new(0.0);
         }
         let mut j = unit;
         while j < width {
-            let x = rows[row * width + j];
+            let x = A::cast_from(rows[row * width + j]);
             for v in 0..views {
-                partial[v] += x * input_grad[(t * views + v) * width + j];
+                partial[v] += x * A::cast_from(input_grad[(t * views + v) * width + j]);
             }
             j += threads;
         }
@@ -600,12 +600,12 @@ mod kernels {
             inner[unit * views + v] = partial[v];
         }
         sync_cube();
-        sum_over_cube::<E>(inner, views);
+        sum_over_cube::<A>(inner, views);
     }
 
     #[cube(launch)]
     #[allow(clippy::too_many_arguments)]
-    pub(super) fn gated_backward_kernel<E: Float>(
+    pub(super) fn gated_backward_kernel<E: Float, A: Float>(
         rows: &Tensor<E>,
         mixing_weights: &Tensor<E>,
         depth_weights: &Tensor<E>,
@@ -630,7 +630,7 @@ mod kernels {
         #[comptime] numerator_bits: u32,
         #[comptime] offset_bits: u32,
         #[comptime] floor_bits: u32,
-        #[define(E)] _dtype: ElemType,
+        #[define(E, A)] _dtypes: [ElemType; 2],
     ) {
         let row = CUBE_POS;
         if row >= rows.shape(0) {
@@ -651,9 +651,9 @@ mod kernels {
         let t = row / units;
         let q = row % units;
         // The block input's part of the table's gradient, ⟨∂u_v, x_r⟩ (see `views`).
-        let mut inner = Shared::<[E]>::new_slice(comptime!(threads * views.max(1)));
+        let mut inner = Shared::<[A]>::new_slice(comptime!(threads * views.max(1)));
         if comptime!(views > 0) {
-            view_products::<E>(rows, input_grad, row, t, width, &mut inner, views, threads);
+            view_products::<E, A>(rows, input_grad, row, t, width, &mut inner, views, threads);
         }
         // δ_c = g_c · m · act'(p_c), in every unit; the scalars' partial sums of g · act(p).
         let mut delta = Array::<E>::new(comptime!(columns + 1));
@@ -667,7 +667,7 @@ mod kernels {
             let mut g = grad[(t * comptime!(columns + 1) + c) * units + q];
             // (no view rows where `views` is 0)
             if c < views {
-                g += inner[c];
+                g += E::cast_from(inner[c]);
                 view_weights[c] = mixing_scale[0] * value + mixing_static[q * columns + c];
                 if unit == 0 {
                     view_grad[(t * views + c) * units + q] = g;
@@ -717,17 +717,17 @@ mod kernels {
 
     /// This unit's part of `Σ_i tensor[start + i · stride]` for `i < count`.
     #[cube]
-    fn strided_part<E: Float>(
+    fn strided_part<E: Float, A: Float>(
         tensor: &Tensor<E>,
         start: usize,
         stride: usize,
         count: usize,
         #[comptime] threads: usize,
-    ) -> E {
-        let mut total = E::new(0.0);
+    ) -> A {
+        let mut total = A::new(0.0);
         let mut i = UNIT_POS as usize;
         while i < count {
-            total += tensor[start + i * stride];
+            total += A::cast_from(tensor[start + i * stride]);
             i += threads;
         }
         total
@@ -738,7 +738,7 @@ mod kernels {
     /// scalar (sums of the per-row partials).
     #[cube(launch)]
     #[allow(clippy::too_many_arguments)]
-    pub(super) fn gated_finish_kernel<E: Float>(
+    pub(super) fn gated_finish_kernel<E: Float, A: Float>(
         product: &Tensor<E>,
         mixing_weights: &Tensor<E>,
         depth_weights: &Tensor<E>,
@@ -758,12 +758,12 @@ mod kernels {
         #[comptime] views: usize,
         #[comptime] row_cubes: usize,
         #[comptime] threads: usize,
-        #[define(E)] _dtype: ElemType,
+        #[define(E, A)] _dtypes: [ElemType; 2],
     ) {
         let cube = CUBE_POS;
         let unit = UNIT_POS as usize;
         let entries = grad.shape(1) * grad.shape(2);
-        let mut shared = Shared::<[E]>::new_slice(threads);
+        let mut shared = Shared::<[A]>::new_slice(threads);
         if cube < row_cubes {
             let j = cube * threads + unit;
             if j < gain.len() {
@@ -782,20 +782,21 @@ mod kernels {
         // The sums (a cube of `W`'s rows takes part with nothing): entry k = c · U + q of the
         // table's gradient over the tokens, or a scalar's column of the per-row partials.
         let mut k = 0usize;
-        let mut part = E::new(0.0);
+        let mut part = A::new(0.0);
         if cube >= row_cubes {
             k = cube - row_cubes;
             let viewed = comptime!(views * units);
             if k < viewed {
                 // The view rows' gradient, the block input's part added (see `views`).
-                part = strided_part::<E>(view_grad, k, viewed, view_grad.shape(0), threads);
+                part = strided_part::<E, A>(view_grad, k, viewed, view_grad.shape(0), threads);
             } else if k < entries {
-                part = strided_part::<E>(grad, k, entries, grad.shape(0), threads);
+                part = strided_part::<E, A>(grad, k, entries, grad.shape(0), threads);
             } else {
-                part = strided_part::<E>(partials, k - entries, 2usize, partials.shape(0), threads);
+                part =
+                    strided_part::<E, A>(partials, k - entries, 2usize, partials.shape(0), threads);
             }
         }
-        let total = cube_total::<E>(part, &mut shared);
+        let total = E::cast_from(cube_total::<A>(part, &mut shared));
         if cube >= row_cubes && unit == 0 {
             if k < entries {
                 let c = k / units;
@@ -886,7 +887,7 @@ mod kernels {
     /// their sums of squares made here), then one unit per row for the small per-row work.
     #[cube(launch)]
     #[allow(clippy::too_many_arguments)]
-    pub(super) fn normalised_forward_kernel<E: Float>(
+    pub(super) fn normalised_forward_kernel<E: Float, A: Float>(
         rows: &Tensor<E>,
         given: &Tensor<E>,
         weights: &Tensor<E>,
@@ -910,7 +911,7 @@ mod kernels {
         #[comptime] numerator_bits: u32,
         #[comptime] offset_bits: u32,
         #[comptime] root_offset_bits: u32,
-        #[define(E)] _dtype: ElemType,
+        #[define(E, A)] _dtypes: [ElemType; 2],
     ) {
         let rows_per_cube = comptime!(tiles.rows_per_cube());
         let group = comptime!(tiles.group);
@@ -920,11 +921,11 @@ mod kernels {
         }
         let columns = comptime!(2 * n + if mixtures > 0 { mixtures } else { n * n });
         let slots = comptime!(columns + 1);
-        let mut shared = Shared::<[E]>::new_slice(comptime!(tiles.shared));
+        let mut shared = Shared::<[A]>::new_slice(comptime!(tiles.shared));
         if comptime!(given_projection) {
             // Each row group leaves its row's `xΦ` and `‖x‖²` where `tiled_projection` leaves
             // its totals.
-            let squares = row_squares::<E>(rows, first, &mut shared, tiles);
+            let squares = row_squares::<E, A>(rows, first, &mut shared, tiles);
             let unit = UNIT_POS as usize;
             let in_group = unit % group;
             let row = first + unit / group;
@@ -935,13 +936,13 @@ mod kernels {
                 }
                 let mut c = in_group;
                 while c < columns {
-                    shared[at + c] = given[row * columns + c];
+                    shared[at + c] = A::cast_from(given[row * columns + c]);
                     c += group;
                 }
             }
             sync_cube();
         } else {
-            tiled_projection::<E>(
+            tiled_projection::<E, A>(
                 rows,
                 weights,
                 rows,
@@ -961,7 +962,7 @@ mod kernels {
             let mut projected = Array::<E>::new(slots);
             #[unroll]
             for c in 0..slots {
-                let value = shared[at + c];
+                let value = E::cast_from(shared[at + c]);
                 projected[c] = value;
                 projection[row * slots + c] = value;
             }
@@ -1021,7 +1022,7 @@ mod kernels {
     /// row for `δ`, then `∂x` in a pass over the weight tiles.
     #[cube(launch)]
     #[allow(clippy::too_many_arguments)]
-    pub(super) fn normalised_backward_kernel<E: Float>(
+    pub(super) fn normalised_backward_kernel<E: Float, A: Float>(
         rows: &Tensor<E>,
         weights: &Tensor<E>,
         input_scale: &Tensor<E>,
@@ -1052,7 +1053,7 @@ mod kernels {
         #[comptime] numerator_bits: u32,
         #[comptime] offset_bits: u32,
         #[comptime] root_offset_bits: u32,
-        #[define(E)] _dtype: ElemType,
+        #[define(E, A)] _dtypes: [ElemType; 2],
     ) {
         let tokens = rows.shape(0);
         let rows_per_cube = comptime!(tiles.rows_per_cube());
@@ -1075,17 +1076,17 @@ mod kernels {
         } else {
             tiles.shared
         });
-        let mut shared = Shared::<[E]>::new_slice(shared_len);
+        let mut shared = Shared::<[A]>::new_slice(shared_len);
         let mut steps = Shared::<[E]>::new_slice(comptime!(rows_per_cube * per_row));
         // The forward's `xΦ` and `‖x‖²` come saved; only the products with the block input's
         // gradient, `⟨∂u, x_t[k]⟩`, need a pass over the rows first.
-        let mut products = Array::<E>::new(n);
+        let mut products = Array::<A>::new(n);
         #[unroll]
         for k in 0..n {
-            products[k] = E::new(0.0);
+            products[k] = A::new(0.0);
         }
         if comptime!(with_input) {
-            row_view_products::<E>(
+            row_view_products::<E, A>(
                 rows,
                 input_grad,
                 first,
@@ -1116,7 +1117,7 @@ mod kernels {
                 let pre = sigmoid::<E>(z[k]);
                 let mut g = grad[base + k];
                 if comptime!(with_input) {
-                    g += products[k];
+                    g += E::cast_from(products[k]);
                     steps[step_at + comptime!(columns + 1) + k] =
                         pre + constant::<E>(input_offset_bits);
                 }
@@ -1212,19 +1213,19 @@ mod kernels {
         if comptime!(!given_product) {
             sync_cube();
             let step_at = (unit / group) * per_row;
-            let mut step = Array::<E>::new(columns);
+            let mut step = Array::<A>::new(columns);
             #[unroll]
             for c in 0..columns {
-                step[c] = steps[step_at + c];
+                step[c] = A::cast_from(steps[step_at + c]);
             }
-            let along = steps[step_at + columns];
-            let scale = steps[step_at + comptime!(columns + 1 + n)];
-            let mut gains = Array::<E>::new(n);
+            let along = A::cast_from(steps[step_at + columns]);
+            let scale = A::cast_from(steps[step_at + comptime!(columns + 1 + n)]);
+            let mut gains = Array::<A>::new(n);
             #[unroll]
             for k in 0..n {
-                gains[k] = steps[step_at + comptime!(columns + 1) + k];
+                gains[k] = A::cast_from(steps[step_at + comptime!(columns + 1) + k]);
             }
-            tiled_row_gradient::<E>(
+            tiled_row_gradient::<E, A>(
                 rows,
                 weights,
                 previous_rows,
@@ -1285,7 +1286,7 @@ mod kernels {
     /// One cube per column of `partials [T, columns + 3]`: its sum over the tokens, to `∂c`
     /// or to one of the three scalars (all three into the first where they are packed).
     #[cube(launch)]
-    pub(super) fn normalised_finish_kernel<E: Float>(
+    pub(super) fn normalised_finish_kernel<E: Float, A: Float>(
         partials: &Tensor<E>,
         grad_input_scale: &mut Tensor<E>,
         grad_depth_scale: &mut Tensor<E>,
@@ -1294,12 +1295,12 @@ mod kernels {
         #[comptime] columns: usize,
         #[comptime] packed_scales: bool,
         #[comptime] threads: usize,
-        #[define(E)] _dtype: ElemType,
+        #[define(E, A)] _dtypes: [ElemType; 2],
     ) {
         let k = CUBE_POS;
-        let mut shared = Shared::<[E]>::new_slice(threads);
-        let part = strided_part::<E>(partials, k, partials.shape(1), partials.shape(0), threads);
-        let total = cube_total::<E>(part, &mut shared);
+        let mut shared = Shared::<[A]>::new_slice(threads);
+        let part = strided_part::<E, A>(partials, k, partials.shape(1), partials.shape(0), threads);
+        let total = E::cast_from(cube_total::<A>(part, &mut shared));
         if UNIT_POS == 0 {
             if k < columns {
                 grad_bias[k] = total;

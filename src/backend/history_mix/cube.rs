@@ -1,7 +1,6 @@
 //! The history mix on the CubeCL backends: one kernel per mix forward and one backward, whatever
 //! the number of states, because every state lives in one buffer (see the parent module).
 
-use burn::backend::cubecl::dtype_to_storage_type;
 use burn::backend::ops::FloatTensorOps;
 use burn::tensor::{DType, Shape};
 use burn_cubecl::kernel::into_contiguous;
@@ -10,7 +9,9 @@ use cubecl::{CubeCount, CubeDim};
 
 use super::{History, HistoryMixBackend, Records, Wanted};
 use crate::backend::autodiff::cast_to;
-use crate::backend::cube_launch::{Cube, column_sums, empty, grid_stride, per_element, row_prefix};
+use crate::backend::cube_launch::{
+    Cube, column_sums, empty, float_types, grid_stride, per_element, row_prefix,
+};
 use kernels::{backward_kernel, forward_kernel};
 
 /// What the CubeCL ops keep of a history: buffers of its capacity, allocated by its first mix.
@@ -95,7 +96,7 @@ fn forward(
         output.clone().into_tensor_arg(),
         mix,
         earlier,
-        dtype_to_storage_type(newest.dtype),
+        float_types(newest.dtype),
     );
     output
 }
@@ -181,7 +182,7 @@ fn backward(
         newest_wanted,
         weights_wanted,
         threads,
-        dtype_to_storage_type(grad.dtype),
+        float_types(grad.dtype),
     );
     // The first tracked mix's backward is the last to run: the partial sums are complete.
     let grad_weights = if wanted.hand_over {
@@ -234,7 +235,7 @@ mod kernels {
     /// k_n, packed row offset]`.
     #[cube(launch)]
     #[allow(clippy::too_many_arguments)]
-    pub(super) fn forward_kernel<E: Float>(
+    pub(super) fn forward_kernel<E: Float, A: Float>(
         states: &mut Tensor<E>,
         packed: &mut Tensor<E>,
         newest: &Tensor<E>,
@@ -243,7 +244,7 @@ mod kernels {
         output: &mut Tensor<E>,
         #[comptime] slot: usize,
         #[comptime] earlier: usize,
-        #[define(E)] _dtype: ElemType,
+        #[define(E, A)] _dtypes: [ElemType; 2],
     ) {
         let i = ABSOLUTE_POS;
         let len = newest.len();
@@ -254,13 +255,15 @@ mod kernels {
             terminate!();
         }
         let x = newest[i];
-        let mut total = weights[table[comptime!(2 * earlier)] as usize] * x;
+        let mut total =
+            A::cast_from(weights[table[comptime!(2 * earlier)] as usize]) * A::cast_from(x);
         for j in 0..earlier {
             let state = table[2 * j] as usize;
-            total += weights[table[2 * j + 1] as usize] * states[state * len + i];
+            total += A::cast_from(weights[table[2 * j + 1] as usize])
+                * A::cast_from(states[state * len + i]);
         }
         states[slot * len + i] = x;
-        output[i] = total;
+        output[i] = E::cast_from(total);
     }
 
     /// For the newest state `x_n` of mix `t = slot` and the mixes `t'` over it (`∂m_t` in
@@ -270,7 +273,7 @@ mod kernels {
     /// `table`: `[k(t, n), t'_1, k(t'_1, n), …, o_1, k(t, o_1), …]`. A grid-stride loop.
     #[cube(launch)]
     #[allow(clippy::too_many_arguments)]
-    pub(super) fn backward_kernel<E: Float>(
+    pub(super) fn backward_kernel<E: Float, A: Float>(
         states: &Tensor<E>,
         grads: &mut Tensor<E>,
         grad: &Tensor<E>,
@@ -285,63 +288,65 @@ mod kernels {
         #[comptime] newest_wanted: bool,
         #[comptime] weights_wanted: bool,
         #[comptime] threads: usize,
-        #[define(E)] _dtype: ElemType,
+        #[define(E, A)] _dtypes: [ElemType; 2],
     ) {
         let len = grad.len();
         let terms = comptime!(later + 1);
         let slots = comptime!(later + 1 + orphans);
-        let mut gains = Array::<E>::new(terms);
-        gains[0] = weights[table[0] as usize];
+        let mut gains = Array::<A>::new(terms);
+        gains[0] = A::cast_from(weights[table[0] as usize]);
         for j in 0..later {
-            gains[j + 1] = weights[table[2 * j + 2] as usize];
+            gains[j + 1] = A::cast_from(weights[table[2 * j + 2] as usize]);
         }
-        let mut dots = Array::<E>::new(slots);
+        let mut dots = Array::<A>::new(slots);
         for j in 0..slots {
-            dots[j] = E::new(0.0);
+            dots[j] = A::new(0.0);
         }
         let stride = CUBE_COUNT * threads;
         let mut i = CUBE_POS * threads + UNIT_POS as usize;
         while i < len {
-            let own = grad[i];
+            let stored = grad[i];
             if comptime!(store) {
-                grads[slot * len + i] = own;
+                grads[slot * len + i] = stored;
             }
-            let mut x = E::new(0.0);
+            let own = A::cast_from(stored);
+            let mut x = A::new(0.0);
             if comptime!(weights_wanted) {
-                x = states[slot * len + i];
+                x = A::cast_from(states[slot * len + i]);
                 dots[0] += x * own;
             }
             let mut total = gains[0] * own;
             for j in 0..later {
-                let g = grads[(table[2 * j + 1] as usize) * len + i];
+                let g = A::cast_from(grads[(table[2 * j + 1] as usize) * len + i]);
                 total += gains[j + 1] * g;
                 if comptime!(weights_wanted) {
                     dots[j + 1] += x * g;
                 }
             }
             if comptime!(newest_wanted) {
-                grad_newest[i] = total;
+                grad_newest[i] = E::cast_from(total);
             }
             for j in 0..orphans {
                 let orphan = table[comptime!(2 * later + 1) + 2 * j] as usize;
-                dots[terms + j] += states[orphan * len + i] * own;
+                dots[terms + j] += A::cast_from(states[orphan * len + i]) * own;
             }
             i += stride;
         }
         if comptime!(weights_wanted) {
             let unit = UNIT_POS as usize;
-            let mut shared = Shared::<[E]>::new_slice(comptime!(threads * slots));
+            let mut shared = Shared::<[A]>::new_slice(comptime!(threads * slots));
             for j in 0..slots {
                 shared[unit * slots + j] = dots[j];
             }
             sync_cube();
-            sum_over_cube::<E>(&mut shared, slots);
-            // One unit adds them: two terms may share a position.
+            sum_over_cube::<A>(&mut shared, slots);
+            // One unit adds them: two terms may share a position. Each cube's sum rounds to
+            // the tensors' type once, where it is stored; `column_sums` adds the cubes' in `A`.
             if unit == 0 {
                 let row = CUBE_POS * partials.shape(1);
-                partials[row + table[0] as usize] += shared[0];
+                partials[row + table[0] as usize] += E::cast_from(shared[0]);
                 for j in 0..comptime!(later + orphans) {
-                    partials[row + table[2 * j + 2] as usize] += shared[j + 1];
+                    partials[row + table[2 * j + 2] as usize] += E::cast_from(shared[j + 1]);
                 }
             }
         }

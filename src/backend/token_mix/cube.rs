@@ -4,7 +4,6 @@
 #[cfg(test)]
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use burn::backend::cubecl::dtype_to_storage_type;
 use burn::backend::tensor::FloatTensor;
 use burn::tensor::Shape;
 use burn_cubecl::CubeBackend;
@@ -12,7 +11,9 @@ use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::tensor::CubeTensor;
 
 use super::{PART, TokenMixPartBackend};
-use crate::backend::cube_launch::{empty, per_element, per_item, rows_and_width, threads_for};
+use crate::backend::cube_launch::{
+    empty, float_types, per_element, per_item, rows_and_width, threads_for,
+};
 use kernels::{part_backward_kernel, part_forward_kernel, single_backward_kernel};
 
 /// Takes the one-slot backward kernel whatever the device binds (for the tests).
@@ -108,7 +109,7 @@ impl TokenMixPartBackend for CubeBackend {
             first,
             count,
             accumulate,
-            dtype_to_storage_type(output.dtype),
+            float_types(output.dtype),
         );
         output
     }
@@ -240,7 +241,7 @@ impl TokenMixPartBackend for CubeBackend {
                 count,
                 true,
                 threads,
-                dtype_to_storage_type(grad.dtype),
+                float_types(grad.dtype),
             );
         } else {
             let threads = threads_for(&grad, 1, MOST_THREADS);
@@ -265,7 +266,7 @@ impl TokenMixPartBackend for CubeBackend {
                     wanted >> k,
                     k == 0,
                     threads,
-                    dtype_to_storage_type(grad.dtype),
+                    float_types(grad.dtype),
                 );
             }
         }
@@ -285,7 +286,7 @@ mod kernels {
     /// tensors.)
     #[cube(launch)]
     #[allow(clippy::too_many_arguments)]
-    pub(super) fn part_forward_kernel<E: Float>(
+    pub(super) fn part_forward_kernel<E: Float, A: Float>(
         weights: &Tensor<E>,
         sum: &Tensor<E>,
         s0: &Tensor<E>,
@@ -302,42 +303,42 @@ mod kernels {
         first: usize,
         #[comptime] count: usize,
         #[comptime] with_sum: bool,
-        #[define(E)] _dtype: ElemType,
+        #[define(E, A)] _dtypes: [ElemType; 2],
     ) {
         let i = ABSOLUTE_POS;
         if i >= output.len() {
             terminate!();
         }
         let row = (i / width) * columns + first;
-        let mut total = E::new(0.0);
+        let mut total = A::new(0.0);
         if comptime!(with_sum) {
-            total = sum[i];
+            total = A::cast_from(sum[i]);
         }
         if comptime!(count > 0) {
-            total += weights[row] * s0[i];
+            total += A::cast_from(weights[row]) * A::cast_from(s0[i]);
         }
         if comptime!(count > 1) {
-            total += weights[row + 1] * s1[i];
+            total += A::cast_from(weights[row + 1]) * A::cast_from(s1[i]);
         }
         if comptime!(count > 2) {
-            total += weights[row + 2] * s2[i];
+            total += A::cast_from(weights[row + 2]) * A::cast_from(s2[i]);
         }
         if comptime!(count > 3) {
-            total += weights[row + 3] * s3[i];
+            total += A::cast_from(weights[row + 3]) * A::cast_from(s3[i]);
         }
         if comptime!(count > 4) {
-            total += weights[row + 4] * s4[i];
+            total += A::cast_from(weights[row + 4]) * A::cast_from(s4[i]);
         }
         if comptime!(count > 5) {
-            total += weights[row + 5] * s5[i];
+            total += A::cast_from(weights[row + 5]) * A::cast_from(s5[i]);
         }
         if comptime!(count > 6) {
-            total += weights[row + 6] * s6[i];
+            total += A::cast_from(weights[row + 6]) * A::cast_from(s6[i]);
         }
         if comptime!(count > 7) {
-            total += weights[row + 7] * s7[i];
+            total += A::cast_from(weights[row + 7]) * A::cast_from(s7[i]);
         }
-        output[i] = total;
+        output[i] = E::cast_from(total);
     }
 
     /// One slot's entry `at` of the backward, `g = ∂m[at]`: writes `(f[at]) + factor · g` to
@@ -346,7 +347,7 @@ mod kernels {
     /// `⟨∂m, x⟩`.
     #[cube]
     #[allow(clippy::too_many_arguments)]
-    fn slot<E: Float>(
+    fn slot<E: Float, A: Float>(
         g: E,
         at: usize,
         state: &Tensor<E>,
@@ -355,7 +356,7 @@ mod kernels {
         factor: E,
         #[comptime] bit: u32,
         masks: (u32, u32),
-    ) -> E {
+    ) -> A {
         let (sofar_mask, wanted_mask) = masks;
         if (wanted_mask & bit) != 0u32 {
             let mut value = factor * g;
@@ -364,7 +365,7 @@ mod kernels {
             }
             state_grad[at] = value;
         }
-        g * state[at]
+        A::cast_from(g) * A::cast_from(state[at])
     }
 
     /// Token row `t`'s `∂W`: the `count` partial inner products of each unit summed over the
@@ -372,8 +373,8 @@ mod kernels {
     /// where `zero_others`.
     #[cube]
     #[allow(clippy::too_many_arguments)]
-    fn weight_grad_row<E: Float>(
-        partial: &Array<E>,
+    fn weight_grad_row<E: Float, A: Float>(
+        partial: &Array<A>,
         weight_grad: &mut Tensor<E>,
         t: usize,
         columns: usize,
@@ -385,17 +386,17 @@ mod kernels {
     ) {
         let unit = UNIT_POS as usize;
         let (part_first, part_end) = part;
-        let mut shared = Shared::<[E]>::new_slice(comptime!(threads * count));
+        let mut shared = Shared::<[A]>::new_slice(comptime!(threads * count));
         #[unroll]
         for k in 0..count {
             shared[unit * count + k] = partial[k];
         }
         sync_cube();
-        sum_over_cube::<E>(&mut shared, count);
+        sum_over_cube::<A>(&mut shared, count);
         let mut c = unit;
         while c < columns {
             if c >= first && c < first + count {
-                weight_grad[t * columns + c] = shared[c - first];
+                weight_grad[t * columns + c] = E::cast_from(shared[c - first]);
             } else if comptime!(zero_others) && (c < part_first || c >= part_end) {
                 weight_grad[t * columns + c] = E::new(0.0);
             }
@@ -409,7 +410,7 @@ mod kernels {
     /// (`f_k`, the gradient so far, where bit `k` of `sofar_mask` is set).
     #[cube(launch)]
     #[allow(clippy::too_many_arguments)]
-    pub(super) fn part_backward_kernel<E: Float>(
+    pub(super) fn part_backward_kernel<E: Float, A: Float>(
         weights: &Tensor<E>,
         grad: &Tensor<E>,
         s0: &Tensor<E>,
@@ -447,7 +448,7 @@ mod kernels {
         #[comptime] count: usize,
         #[comptime] zero_others: bool,
         #[comptime] threads: usize,
-        #[define(E)] _dtype: ElemType,
+        #[define(E, A)] _dtypes: [ElemType; 2],
     ) {
         let t = CUBE_POS;
         // A spread launch may have cubes past the last token.
@@ -455,11 +456,11 @@ mod kernels {
             terminate!();
         }
         let masks = (sofar_mask, wanted_mask);
-        let mut partial = Array::<E>::new(count);
+        let mut partial = Array::<A>::new(count);
         let mut factor = Array::<E>::new(count);
         #[unroll]
         for k in 0..count {
-            partial[k] = E::new(0.0);
+            partial[k] = A::new(0.0);
             factor[k] = weights[t * columns + first + k];
         }
         let mut j = UNIT_POS as usize;
@@ -467,33 +468,33 @@ mod kernels {
             let at = t * width + j;
             let g = grad[at];
             if comptime!(count > 0) {
-                partial[0] += slot::<E>(g, at, s0, f0, g0, factor[0], 1u32, masks);
+                partial[0] += slot::<E, A>(g, at, s0, f0, g0, factor[0], 1u32, masks);
             }
             if comptime!(count > 1) {
-                partial[1] += slot::<E>(g, at, s1, f1, g1, factor[1], 2u32, masks);
+                partial[1] += slot::<E, A>(g, at, s1, f1, g1, factor[1], 2u32, masks);
             }
             if comptime!(count > 2) {
-                partial[2] += slot::<E>(g, at, s2, f2, g2, factor[2], 4u32, masks);
+                partial[2] += slot::<E, A>(g, at, s2, f2, g2, factor[2], 4u32, masks);
             }
             if comptime!(count > 3) {
-                partial[3] += slot::<E>(g, at, s3, f3, g3, factor[3], 8u32, masks);
+                partial[3] += slot::<E, A>(g, at, s3, f3, g3, factor[3], 8u32, masks);
             }
             if comptime!(count > 4) {
-                partial[4] += slot::<E>(g, at, s4, f4, g4, factor[4], 16u32, masks);
+                partial[4] += slot::<E, A>(g, at, s4, f4, g4, factor[4], 16u32, masks);
             }
             if comptime!(count > 5) {
-                partial[5] += slot::<E>(g, at, s5, f5, g5, factor[5], 32u32, masks);
+                partial[5] += slot::<E, A>(g, at, s5, f5, g5, factor[5], 32u32, masks);
             }
             if comptime!(count > 6) {
-                partial[6] += slot::<E>(g, at, s6, f6, g6, factor[6], 64u32, masks);
+                partial[6] += slot::<E, A>(g, at, s6, f6, g6, factor[6], 64u32, masks);
             }
             if comptime!(count > 7) {
-                partial[7] += slot::<E>(g, at, s7, f7, g7, factor[7], 128u32, masks);
+                partial[7] += slot::<E, A>(g, at, s7, f7, g7, factor[7], 128u32, masks);
             }
             j += threads;
         }
         let part = (part_first, part_end);
-        weight_grad_row::<E>(
+        weight_grad_row::<E, A>(
             &partial,
             weight_grad,
             t,
@@ -510,7 +511,7 @@ mod kernels {
     /// binds fewer than the eight slots need.
     #[cube(launch)]
     #[allow(clippy::too_many_arguments)]
-    pub(super) fn single_backward_kernel<E: Float>(
+    pub(super) fn single_backward_kernel<E: Float, A: Float>(
         weights: &Tensor<E>,
         grad: &Tensor<E>,
         state: &Tensor<E>,
@@ -526,7 +527,7 @@ mod kernels {
         wanted_mask: u32,
         #[comptime] zero_others: bool,
         #[comptime] threads: usize,
-        #[define(E)] _dtype: ElemType,
+        #[define(E, A)] _dtypes: [ElemType; 2],
     ) {
         let t = CUBE_POS;
         if t >= weights.len() / columns {
@@ -534,16 +535,16 @@ mod kernels {
         }
         let masks = (sofar_mask, wanted_mask);
         let factor = weights[t * columns + first];
-        let mut partial = Array::<E>::new(1usize);
-        partial[0] = E::new(0.0);
+        let mut partial = Array::<A>::new(1usize);
+        partial[0] = A::new(0.0);
         let mut j = UNIT_POS as usize;
         while j < width {
             let at = t * width + j;
-            partial[0] += slot::<E>(grad[at], at, state, sofar, state_grad, factor, 1u32, masks);
+            partial[0] += slot::<E, A>(grad[at], at, state, sofar, state_grad, factor, 1u32, masks);
             j += threads;
         }
         let part = (part_first, part_end);
-        weight_grad_row::<E>(
+        weight_grad_row::<E, A>(
             &partial,
             weight_grad,
             t,

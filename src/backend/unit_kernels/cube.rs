@@ -1,6 +1,5 @@
 //! The unit kernels on the CubeCL backends (see the parent module for the math).
 
-use burn::backend::cubecl::dtype_to_storage_type;
 use burn::backend::ops::FloatTensorOps;
 use burn::backend::tensor::FloatTensor;
 use burn::tensor::Shape;
@@ -9,7 +8,7 @@ use burn_cubecl::kernel::into_contiguous;
 
 use super::UnitKernelsBackend;
 use crate::backend::cube_launch::{
-    Cube, RowTiles, empty, per_element, per_item, threads_for, weights_product,
+    Cube, RowTiles, empty, float_types, per_element, per_item, threads_for, weights_product,
 };
 use crate::backend::kernel_constant;
 use kernels::{
@@ -52,7 +51,7 @@ fn mix(
         views,
         with_addend,
         beta_row,
-        dtype_to_storage_type(units.dtype),
+        float_types(units.dtype),
     );
     output
 }
@@ -171,7 +170,7 @@ fn mix_backward(
         with_previous[0],
         with_previous[1],
         threads,
-        dtype_to_storage_type(units.dtype),
+        float_types(units.dtype),
     );
     // Connections shared by every token: their gradient is the sum over the tokens.
     let grad_weights = if shared_weights {
@@ -220,7 +219,7 @@ impl UnitKernelsBackend for CubeBackend {
             kernel_constant(offset),
             kernel_constant(floor),
             kernel_constant(root_offset),
-            dtype_to_storage_type(rows.dtype),
+            float_types(rows.dtype),
         );
         output
     }
@@ -262,7 +261,7 @@ impl UnitKernelsBackend for CubeBackend {
             kernel_constant(offset),
             kernel_constant(floor),
             kernel_constant(root_offset),
-            dtype_to_storage_type(rows.dtype),
+            float_types(rows.dtype),
         );
         let grad_weights = weights_product(rows, scaled_grad);
         (grad_rows, grad_weights)
@@ -391,7 +390,7 @@ mod kernels {
     /// One cube per `threads / group` rows (see [`RowTiles`]): `s(‖x‖) · x W`.
     #[cube(launch)]
     #[allow(clippy::too_many_arguments)]
-    pub(super) fn projection_forward_kernel<E: Float>(
+    pub(super) fn projection_forward_kernel<E: Float, A: Float>(
         rows: &Tensor<E>,
         weights: &Tensor<E>,
         output: &mut Tensor<E>,
@@ -402,7 +401,7 @@ mod kernels {
         #[comptime] offset_bits: u32,
         #[comptime] floor_bits: u32,
         #[comptime] root_offset_bits: u32,
-        #[define(E)] _dtype: ElemType,
+        #[define(E, A)] _dtypes: [ElemType; 2],
     ) {
         let rows_per_cube = comptime!(tiles.rows_per_cube());
         let group = comptime!(tiles.group);
@@ -411,8 +410,8 @@ mod kernels {
             terminate!();
         }
         let unit = UNIT_POS as usize;
-        let mut shared = Shared::<[E]>::new_slice(comptime!(tiles.shared));
-        tiled_projection::<E>(
+        let mut shared = Shared::<[A]>::new_slice(comptime!(tiles.shared));
+        tiled_projection::<E, A>(
             rows,
             weights,
             rows,
@@ -426,11 +425,11 @@ mod kernels {
         let row = first + unit / group;
         if row < rows.shape(0) {
             let at = (unit / group) * comptime!(group * (columns + 1));
-            let root = row_root::<E>(shared[at + columns], root_offset_bits);
-            let scale = row_scale::<E>(root, numerator_bits, offset_bits, floor_bits);
+            let root = row_root::<A>(shared[at + columns], root_offset_bits);
+            let scale = row_scale::<A>(root, numerator_bits, offset_bits, floor_bits);
             let mut c = unit % group;
             while c < columns {
-                output[row * columns + c] = shared[at + c] * scale;
+                output[row * columns + c] = E::cast_from(shared[at + c] * scale);
                 c += group;
             }
         }
@@ -440,7 +439,7 @@ mod kernels {
     /// pass over the weight tiles, and `s ∂P` for the weights' product.
     #[cube(launch)]
     #[allow(clippy::too_many_arguments)]
-    pub(super) fn projection_backward_kernel<E: Float>(
+    pub(super) fn projection_backward_kernel<E: Float, A: Float>(
         rows: &Tensor<E>,
         weights: &Tensor<E>,
         projection: &Tensor<E>,
@@ -454,7 +453,7 @@ mod kernels {
         #[comptime] offset_bits: u32,
         #[comptime] floor_bits: u32,
         #[comptime] root_offset_bits: u32,
-        #[define(E)] _dtype: ElemType,
+        #[define(E, A)] _dtypes: [ElemType; 2],
     ) {
         let rows_per_cube = comptime!(tiles.rows_per_cube());
         let group = comptime!(tiles.group);
@@ -463,27 +462,27 @@ mod kernels {
             terminate!();
         }
         let unit = UNIT_POS as usize;
-        let mut shared = Shared::<[E]>::new_slice(comptime!(tiles.shared));
-        let squares = row_squares::<E>(rows, first, &mut shared, tiles);
+        let mut shared = Shared::<[A]>::new_slice(comptime!(tiles.shared));
+        let squares = row_squares::<E, A>(rows, first, &mut shared, tiles);
         let row = first + unit / group;
         let live = row < rows.shape(0);
-        let root = row_root::<E>(squares, root_offset_bits);
-        let scale = row_scale::<E>(root, numerator_bits, offset_bits, floor_bits);
-        let slope = row_slope::<E>(root, scale, offset_bits, floor_bits);
+        let root = row_root::<A>(squares, root_offset_bits);
+        let scale = row_scale::<A>(root, numerator_bits, offset_bits, floor_bits);
+        let slope = row_slope::<A>(root, scale, offset_bits, floor_bits);
         // (x W · ∂P) with x W = P / s.
-        let mut upstream = Array::<E>::new(columns);
-        let mut dot = E::new(0.0);
+        let mut upstream = Array::<A>::new(columns);
+        let mut dot = A::new(0.0);
         if live {
             #[unroll]
             for c in 0..columns {
-                let g = grad[row * columns + c];
+                let g = A::cast_from(grad[row * columns + c]);
                 upstream[c] = g;
-                dot += projection[row * columns + c] * g;
+                dot += A::cast_from(projection[row * columns + c]) * g;
             }
         }
         let along = slope * dot / scale;
-        let no_gains = Array::<E>::new(1usize);
-        tiled_row_gradient::<E>(
+        let no_gains = Array::<A>::new(1usize);
+        tiled_row_gradient::<E, A>(
             rows,
             weights,
             rows,
@@ -504,7 +503,7 @@ mod kernels {
         if live {
             let mut c = unit % group;
             while c < columns {
-                scaled_grad[row * columns + c] = upstream[c] * scale;
+                scaled_grad[row * columns + c] = E::cast_from(upstream[c] * scale);
                 c += group;
             }
         }
@@ -549,7 +548,7 @@ mod kernels {
 
     #[cube(launch)]
     #[allow(clippy::too_many_arguments)]
-    pub(super) fn mix_forward_kernel<E: Float>(
+    pub(super) fn mix_forward_kernel<E: Float, A: Float>(
         weights: &Tensor<E>,
         units: &Tensor<E>,
         beta: &Tensor<E>,
@@ -561,7 +560,7 @@ mod kernels {
         #[comptime] views: usize,
         #[comptime] with_addend: bool,
         #[comptime] beta_row: usize,
-        #[define(E)] _dtype: ElemType,
+        #[define(E, A)] _dtypes: [ElemType; 2],
     ) {
         // One unit per token and entry `j`, for every output row: each unit reads its `count`
         // inputs (and the branch's views) once, not once per row.
@@ -588,22 +587,22 @@ mod kernels {
         #[unroll]
         for r in 0..rows {
             let base = leading_offset::<E>(weights, t, first + r);
-            let mut total = E::new(0.0);
+            let mut total = A::new(0.0);
             #[unroll]
             for u in 0..count {
-                total += weights[base + u * across] * values[u];
+                total += A::cast_from(weights[base + u * across]) * A::cast_from(values[u]);
             }
             if comptime!(with_addend) {
                 let gain = gain_of::<E>(weights, beta, t, r, beta_row);
-                total += gain * branches[r % views];
+                total += A::cast_from(gain) * A::cast_from(branches[r % views]);
             }
-            output[(t * rows + r) * width + j] = total;
+            output[(t * rows + r) * width + j] = E::cast_from(total);
         }
     }
 
     #[cube(launch)]
     #[allow(clippy::too_many_arguments)]
-    pub(super) fn mix_backward_kernel<E: Float>(
+    pub(super) fn mix_backward_kernel<E: Float, A: Float>(
         weights: &Tensor<E>,
         units: &Tensor<E>,
         beta: &Tensor<E>,
@@ -624,7 +623,7 @@ mod kernels {
         #[comptime] with_previous_weights: bool,
         #[comptime] with_previous_units: bool,
         #[comptime] threads: usize,
-        #[define(E)] _dtype: ElemType,
+        #[define(E, A)] _dtypes: [ElemType; 2],
     ) {
         let t = CUBE_POS;
         if t >= units.shape(0) {
@@ -652,51 +651,51 @@ mod kernels {
                 gains[r] = gain_of::<E>(weights, beta, t, r, beta_row);
             }
         }
-        let mut partial = Array::<E>::new(slots);
+        let mut partial = Array::<A>::new(slots);
         for k in 0..slots {
-            partial[k] = E::new(0.0);
+            partial[k] = A::new(0.0);
         }
-        let mut upstream = Array::<E>::new(rows);
+        let mut upstream = Array::<A>::new(rows);
         let mut j = unit;
         while j < width {
             for r in 0..rows {
-                upstream[r] = grad[(t * rows + r) * width + j];
+                upstream[r] = A::cast_from(grad[(t * rows + r) * width + j]);
             }
             for u in 0..count {
                 let at = (t * count + u) * width + j;
-                let value = units[at];
-                let mut total = E::new(0.0);
+                let value = A::cast_from(units[at]);
+                let mut total = A::new(0.0);
                 for r in 0..rows {
-                    total += mixing[r * count + u] * upstream[r];
+                    total += A::cast_from(mixing[r * count + u]) * upstream[r];
                     partial[r * count + u] += upstream[r] * value;
                 }
                 if comptime!(with_previous_units) {
-                    total += previous_units[at];
+                    total += A::cast_from(previous_units[at]);
                 }
-                grad_units[at] = total;
+                grad_units[at] = E::cast_from(total);
             }
             if comptime!(with_addend) {
                 for f in 0..views {
                     let at = (t * views + f) * width + j;
-                    let value = branch[at];
-                    let mut total = E::new(0.0);
+                    let value = A::cast_from(branch[at]);
+                    let mut total = A::new(0.0);
                     for r in 0..rows {
                         if r % views == f {
-                            total += gains[r] * upstream[r];
+                            total += A::cast_from(gains[r]) * upstream[r];
                             partial[mixed + r] += upstream[r] * value;
                         }
                     }
-                    grad_branch[at] = total;
+                    grad_branch[at] = E::cast_from(total);
                 }
             }
             j += threads;
         }
-        let mut shared = Shared::<[E]>::new_slice(comptime!(threads * slots));
+        let mut shared = Shared::<[A]>::new_slice(comptime!(threads * slots));
         for k in 0..slots {
             shared[unit * slots + k] = partial[k];
         }
         sync_cube();
-        sum_over_cube::<E>(&mut shared, slots);
+        sum_over_cube::<A>(&mut shared, slots);
         // ∂W has every row of `weights`: this token's rows other than those read (and `β`'s)
         // get the previous gradient, or zero.
         let all_rows = weights.shape(1);
@@ -718,14 +717,26 @@ mod kernels {
         while k < slots {
             if k < mixed {
                 let at = token_base + first * count + k;
-                grad_weights[at] =
-                    shared[k] + previous_entry::<E>(previous_weights, at, with_previous_weights);
+                grad_weights[at] = E::cast_from(
+                    shared[k]
+                        + A::cast_from(previous_entry::<E>(
+                            previous_weights,
+                            at,
+                            with_previous_weights,
+                        )),
+                );
             } else if comptime!(beta_row == usize::MAX) {
-                grad_beta[t * rows + k - mixed] = shared[k];
+                grad_beta[t * rows + k - mixed] = E::cast_from(shared[k]);
             } else {
                 let at = token_base + beta_row * count + k - mixed;
-                grad_weights[at] =
-                    shared[k] + previous_entry::<E>(previous_weights, at, with_previous_weights);
+                grad_weights[at] = E::cast_from(
+                    shared[k]
+                        + A::cast_from(previous_entry::<E>(
+                            previous_weights,
+                            at,
+                            with_previous_weights,
+                        )),
+                );
             }
             k += threads;
         }

@@ -529,6 +529,17 @@ mod kernels {
         }
     }
 
+    /// `total + previous[at]` (or `total` without a previous gradient), rounded once to `E`.
+    #[cube]
+    fn plus_previous<E: Float, A: Float>(
+        total: A,
+        previous: &Tensor<E>,
+        at: usize,
+        #[comptime] with: bool,
+    ) -> E {
+        E::cast_from(total + A::cast_from(previous_entry::<E>(previous, at, with)))
+    }
+
     /// `β[t, r]`: from `beta [T | 1, R, 1]`, or from row `beta_row` of `weights` (unless it is
     /// `usize::MAX`).
     #[cube]
@@ -717,26 +728,14 @@ mod kernels {
         while k < slots {
             if k < mixed {
                 let at = token_base + first * count + k;
-                grad_weights[at] = E::cast_from(
-                    shared[k]
-                        + A::cast_from(previous_entry::<E>(
-                            previous_weights,
-                            at,
-                            with_previous_weights,
-                        )),
-                );
+                grad_weights[at] =
+                    plus_previous::<E, A>(shared[k], previous_weights, at, with_previous_weights);
             } else if comptime!(beta_row == usize::MAX) {
                 grad_beta[t * rows + k - mixed] = E::cast_from(shared[k]);
             } else {
                 let at = token_base + beta_row * count + k - mixed;
-                grad_weights[at] = E::cast_from(
-                    shared[k]
-                        + A::cast_from(previous_entry::<E>(
-                            previous_weights,
-                            at,
-                            with_previous_weights,
-                        )),
-                );
+                grad_weights[at] =
+                    plus_previous::<E, A>(shared[k], previous_weights, at, with_previous_weights);
             }
             k += threads;
         }

@@ -32,9 +32,7 @@ pub(crate) use connection_tables::{Gated, Normalised, TableForm};
 #[cfg(feature = "cube-kernels")]
 mod cube_launch;
 #[cfg(all(test, feature = "cube-kernels"))]
-pub(crate) use cube_launch::{
-    Knobs, ProductPath, ProjectionPath, half_precision_test, with_half_sums_in_own_type, with_knobs,
-};
+pub(crate) use cube_launch::{Knobs, ProductPath, ProjectionPath, with_each_knobs};
 #[cfg(feature = "flex")]
 pub(crate) mod fft_conv;
 #[cfg(feature = "flex")]

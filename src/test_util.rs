@@ -290,7 +290,7 @@ pub fn assert_table_kernels_match_composed<M: crate::multi_stream::MultiStream>(
     parameters: impl Fn(&burn::tensor::Gradients) -> Vec<TensorData>,
     case: &str,
 ) {
-    use crate::backend::{Knobs, LayerOps, ProductPath, ProjectionPath, UnitOps, with_knobs};
+    use crate::backend::{Knobs, LayerOps, ProductPath, ProjectionPath, UnitOps, with_each_knobs};
     use crate::multi_stream::MixingLayer;
     let device = connectivity
         .devices()
@@ -370,12 +370,13 @@ pub fn assert_table_kernels_match_composed<M: crate::multi_stream::MultiStream>(
         table_projection: ProjectionPath::Matmul,
         ..Knobs::default()
     };
-    for knobs in [Knobs::default(), tiled, matmul] {
-        let kernels = with_knobs(knobs, || {
-            let mut kernels = run(UnitOps::Kernels.layer());
-            kernels.extend(run_layer(UnitOps::Kernels.layer()));
-            kernels
-        });
+    let each = [Knobs::default(), tiled, matmul];
+    let runs = with_each_knobs(&each, |_| {
+        let mut kernels = run(UnitOps::Kernels.layer());
+        kernels.extend(run_layer(UnitOps::Kernels.layer()));
+        kernels
+    });
+    for (knobs, kernels) in each.iter().zip(runs) {
         assert_kernels_match(&kernels, &composed, &format!("{case}, {knobs:?}"));
     }
 }
@@ -416,55 +417,57 @@ pub const HALF_SUMS_BOUND: f32 = 4.0 / 2048.0;
 /// read back as f32) for inputs in `dtype`, through the CubeCL kernels or the composed tensor
 /// ops. Through the kernels in f16 each result is within [`HALF_SUMS_BOUND`] of the composed
 /// f32 one (relative to its largest entry; the composed f16 one is printed beside it), and
-/// with the kernels summing in f16
-/// (`with_half_sums_in_own_type`, the mutation) at least one is past it, so that the check
-/// tells the two apart. `case` names the op.
+/// with the kernels summing in f16 (the knob `half_sums_in_f32` off: the mutation) at least
+/// one is past it, so that the check tells the two apart. `case` names the op.
 #[cfg(feature = "wgpu")]
 pub fn assert_half_sums_in_f32(
     case: &str,
     run: impl Fn(burn::tensor::FloatDType, bool) -> Vec<TensorData>,
 ) {
-    use crate::backend::{half_precision_test, with_half_sums_in_own_type};
+    use crate::backend::{Knobs, with_each_knobs};
     use burn::tensor::FloatDType;
-    half_precision_test(|| {
-        let exact = run(FloatDType::F32, false);
-        let errors = |results: Vec<TensorData>| -> Vec<f32> {
-            assert_eq!(results.len(), exact.len(), "{case}: one result each");
-            results
-                .iter()
-                .zip(&exact)
-                .map(|(got, want)| {
-                    let got: Vec<f32> = got.iter::<f32>().collect();
-                    let want: Vec<f32> = want.iter::<f32>().collect();
-                    let largest = want.iter().fold(0.0f32, |top, v| top.max(v.abs()));
-                    let worst = got
-                        .iter()
-                        .zip(&want)
-                        .fold(0.0f32, |top, (g, w)| top.max((g - w).abs()));
-                    worst / largest
-                })
-                .collect()
-        };
-        let kernels = errors(run(FloatDType::F16, true));
-        let composed = errors(run(FloatDType::F16, false));
-        let own_type = errors(with_half_sums_in_own_type(|| run(FloatDType::F16, true)));
-        eprintln!(
-            "{case}: f16 errors {kernels:?}, composed {composed:?}, own-type sums {own_type:?}"
-        );
-        for (index, error) in kernels.iter().enumerate() {
-            assert!(
-                *error <= HALF_SUMS_BOUND,
-                "{case}: result {index} in f16 is {error:e} of its scale from f32 (composed: \
-                 {:e}), past {HALF_SUMS_BOUND:e}",
-                composed[index]
-            );
-        }
+    let exact = run(FloatDType::F32, false);
+    let errors = |results: Vec<TensorData>| -> Vec<f32> {
+        assert_eq!(results.len(), exact.len(), "{case}: one result each");
+        results
+            .iter()
+            .zip(&exact)
+            .map(|(got, want)| {
+                let got: Vec<f32> = got.iter::<f32>().collect();
+                let want: Vec<f32> = want.iter::<f32>().collect();
+                let largest = want.iter().fold(0.0f32, |top, v| top.max(v.abs()));
+                let worst = got
+                    .iter()
+                    .zip(&want)
+                    .fold(0.0f32, |top, (g, w)| top.max((g - w).abs()));
+                worst / largest
+            })
+            .collect()
+    };
+    let composed = errors(run(FloatDType::F16, false));
+    let own_type = Knobs {
+        half_sums_in_f32: false,
+        ..Knobs::default()
+    };
+    let [kernels, own_type] =
+        <[Vec<f32>; 2]>::try_from(with_each_knobs(&[Knobs::default(), own_type], |_| {
+            errors(run(FloatDType::F16, true))
+        }))
+        .expect("two runs");
+    eprintln!("{case}: f16 errors {kernels:?}, composed {composed:?}, own-type sums {own_type:?}");
+    for (index, error) in kernels.iter().enumerate() {
         assert!(
-            own_type.iter().any(|error| *error > HALF_SUMS_BOUND),
-            "{case}: summed in f16 every result is still within {HALF_SUMS_BOUND:e} \
-             ({own_type:?}): the check cannot tell"
+            *error <= HALF_SUMS_BOUND,
+            "{case}: result {index} in f16 is {error:e} of its scale from f32 (composed: \
+             {:e}), past {HALF_SUMS_BOUND:e}",
+            composed[index]
         );
-    });
+    }
+    assert!(
+        own_type.iter().any(|error| *error > HALF_SUMS_BOUND),
+        "{case}: summed in f16 every result is still within {HALF_SUMS_BOUND:e} \
+         ({own_type:?}): the check cannot tell"
+    );
 }
 
 /// The gradient of `param` in `grads` as data (panics if it has none).

@@ -39,58 +39,13 @@ pub(crate) fn per_item(tensor: &CubeTensor, items: usize, threads: usize) -> (Cu
 /// rounds once, where it is stored, as Burn's matmul and reductions do.
 pub(crate) fn float_types(dtype: DType) -> [ElemType; 2] {
     let accumulator = match dtype {
-        DType::F16 | DType::BF16 if !half_sums_in_own_type() => DType::F32,
+        DType::F16 | DType::BF16 if knobs().half_sums_in_f32 => DType::F32,
         other => other,
     };
     [
         dtype_to_storage_type(dtype),
         dtype_to_storage_type(accumulator),
     ]
-}
-
-/// Whether [`float_types`] sums f16 and bf16 in their own type: only inside
-/// [`with_half_sums_in_own_type`], in tests.
-fn half_sums_in_own_type() -> bool {
-    #[cfg(test)]
-    return HALF_SUMS_IN_OWN_TYPE.load(std::sync::atomic::Ordering::SeqCst);
-    #[cfg(not(test))]
-    false
-}
-
-#[cfg(test)]
-static HALF_SUMS_IN_OWN_TYPE: std::sync::atomic::AtomicBool =
-    std::sync::atomic::AtomicBool::new(false);
-
-/// Held by each half-precision test ([`half_precision_test`]): one at a time, so that the own
-/// type's sums of one never reach another.
-#[cfg(test)]
-static HALF_TESTS: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
-/// Runs a half-precision test alone among them (see [`with_half_sums_in_own_type`]).
-#[cfg(test)]
-pub(crate) fn half_precision_test<R>(run: impl FnOnce() -> R) -> R {
-    let _held = HALF_TESTS
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner);
-    run()
-}
-
-/// Runs `run` with the kernels summing f16 and bf16 in their own type, as they did before
-/// [`float_types`]: the mutation a half-precision test must tell apart. Call it inside
-/// [`half_precision_test`]; `run` must read back what it checks (the kernels may launch from
-/// the device's runner thread, later). Restored also on a panic.
-#[cfg(test)]
-pub(crate) fn with_half_sums_in_own_type<R>(run: impl FnOnce() -> R) -> R {
-    use std::sync::atomic::Ordering;
-    struct Restore;
-    impl Drop for Restore {
-        fn drop(&mut self) {
-            HALF_SUMS_IN_OWN_TYPE.store(false, Ordering::SeqCst);
-        }
-    }
-    HALF_SUMS_IN_OWN_TYPE.store(true, Ordering::SeqCst);
-    let _restore = Restore;
-    run()
 }
 
 /// A launch of one unit per element, for `len` elements on `like`'s device.
@@ -141,12 +96,15 @@ pub(crate) enum ProjectionPath {
 /// - `table_projection`, `BURN_CONNECTIVITY_TABLE_PROJECTION`: `matmul` or `tiles` (default),
 ///   for the normalised table's products with `Φ` (mHC's, V4's, mHC-lite's).
 ///
-/// The tests run the kernels with other knobs too (`with_knobs`, in test builds).
+/// One more, `half_sums_in_f32` (see [`float_types`]), has no variable: only the tests turn it
+/// off, the mutation that their half-precision checks must tell apart. The tests run the
+/// kernels with other knobs too (`with_each_knobs`, in test builds).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Knobs {
     pub row_group: usize,
     pub weights_product: ProductPath,
     pub table_projection: ProjectionPath,
+    pub half_sums_in_f32: bool,
 }
 
 impl Default for Knobs {
@@ -157,6 +115,7 @@ impl Default for Knobs {
                 rows_per_step: PRODUCT_ROWS_PER_STEP,
             },
             table_projection: ProjectionPath::Tiles,
+            half_sums_in_f32: true,
         }
     }
 }
@@ -190,11 +149,12 @@ impl Knobs {
             row_group,
             weights_product,
             table_projection,
+            ..defaults
         }
     }
 }
 
-/// The knobs [`with_knobs`] puts in place, and the lock that holds one such test at a time.
+/// The knobs [`with_each_knobs`] puts in place, and the lock that holds one such test at a time.
 #[cfg(test)]
 static TEST_KNOBS: std::sync::Mutex<Option<Knobs>> = std::sync::Mutex::new(None);
 #[cfg(test)]
@@ -213,13 +173,15 @@ pub(crate) fn knobs() -> Knobs {
     *KNOBS.get_or_init(Knobs::from_env)
 }
 
-/// Runs `run` with `knobs` in place of the process's, then restores them, also on a panic.
+/// Runs `run` with each of `each` in place of the process's knobs in turn, then restores them,
+/// also on a panic; one such test at a time, for all of its runs.
 ///
 /// Process-wide, not per thread: a device's kernels are launched from its runner thread, not the
-/// test's. `run` must read back what it checks, so that its kernels run before the knobs go.
-/// Other tests that run meanwhile get the same knobs: the forms compute the same values.
+/// test's. `run` must read back what it checks, so that its kernels run before the knobs change.
+/// Other tests that run meanwhile get the same knobs: the forms compute the same values, and
+/// only these tests launch kernels in f16 (where `half_sums_in_f32` matters).
 #[cfg(test)]
-pub(crate) fn with_knobs<R>(knobs: Knobs, run: impl FnOnce() -> R) -> R {
+pub(crate) fn with_each_knobs<R>(each: &[Knobs], mut run: impl FnMut(Knobs) -> R) -> Vec<R> {
     struct Restore;
     impl Drop for Restore {
         fn drop(&mut self) {
@@ -231,11 +193,15 @@ pub(crate) fn with_knobs<R>(knobs: Knobs, run: impl FnOnce() -> R) -> R {
     let _held = TEST_KNOBS_HELD
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner);
-    *TEST_KNOBS
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(knobs);
     let _restore = Restore;
-    run()
+    each.iter()
+        .map(|&knobs| {
+            *TEST_KNOBS
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(knobs);
+            run(knobs)
+        })
+        .collect()
 }
 
 /// Units per cube of the tiled row kernels (at most).

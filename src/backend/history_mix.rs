@@ -616,8 +616,9 @@ mod tests {
     /// In f16 the kernels sum in f32: the mixes and `∂W` over states of 2²⁰ entries, whose
     /// 1024 cubes' partial sums `column_sums` adds (the offsets make the sums grow against
     /// each term; the probes' 1e-2 keeps them inside f16's range). The composed reference runs
-    /// on Flex: on wgpu (lavapipe), Burn 0.22.1's gradient of a `[1, 1, 1]` factor broadcast
-    /// over these states came out about a quarter of its value (262132 for 2²⁰ ones).
+    /// on Flex: lavapipe stops a shader's loops after 65535 iterations in all (Mesa's
+    /// `LP_MAX_TGSI_LOOP_ITERATIONS`), so Burn's reductions of a `[1, 1, 1]` factor's gradient
+    /// over these states come out short there (262132 for 2²⁰ ones), not on a GPU.
     #[cfg(feature = "wgpu")]
     #[test]
     fn half_precision_kernels_sum_in_f32() {

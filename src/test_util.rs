@@ -371,7 +371,7 @@ pub fn assert_table_kernels_match_composed<M: crate::multi_stream::MultiStream>(
         ..Knobs::default()
     };
     let each = [Knobs::default(), tiled, matmul];
-    let runs = with_each_knobs(&each, |_| {
+    let runs = with_each_knobs(each, || {
         let mut kernels = run(UnitOps::Kernels.layer());
         kernels.extend(run_layer(UnitOps::Kernels.layer()));
         kernels
@@ -449,11 +449,9 @@ pub fn assert_half_sums_in_f32(
         half_sums_in_f32: false,
         ..Knobs::default()
     };
-    let [kernels, own_type] =
-        <[Vec<f32>; 2]>::try_from(with_each_knobs(&[Knobs::default(), own_type], |_| {
-            errors(run(FloatDType::F16, true))
-        }))
-        .expect("two runs");
+    let [kernels, own_type] = with_each_knobs([Knobs::default(), own_type], || {
+        errors(run(FloatDType::F16, true))
+    });
     eprintln!("{case}: f16 errors {kernels:?}, composed {composed:?}, own-type sums {own_type:?}");
     for (index, error) in kernels.iter().enumerate() {
         assert!(

@@ -181,7 +181,10 @@ pub(crate) fn knobs() -> Knobs {
 /// Other tests that run meanwhile get the same knobs: the forms compute the same values, and
 /// only these tests launch kernels in f16 (where `half_sums_in_f32` matters).
 #[cfg(test)]
-pub(crate) fn with_each_knobs<R>(each: &[Knobs], mut run: impl FnMut(Knobs) -> R) -> Vec<R> {
+pub(crate) fn with_each_knobs<R, const N: usize>(
+    each: [Knobs; N],
+    mut run: impl FnMut() -> R,
+) -> [R; N] {
     struct Restore;
     impl Drop for Restore {
         fn drop(&mut self) {
@@ -194,14 +197,12 @@ pub(crate) fn with_each_knobs<R>(each: &[Knobs], mut run: impl FnMut(Knobs) -> R
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner);
     let _restore = Restore;
-    each.iter()
-        .map(|&knobs| {
-            *TEST_KNOBS
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(knobs);
-            run(knobs)
-        })
-        .collect()
+    each.map(|knobs| {
+        *TEST_KNOBS
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(knobs);
+        run()
+    })
 }
 
 /// Units per cube of the tiled row kernels (at most).

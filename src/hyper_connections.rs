@@ -513,6 +513,81 @@ mod tests {
         }
     }
 
+    /// In f16 the gated table's kernels sum in f32: the rows' norms and projections over a
+    /// width of 2¹⁸ (4096 products a unit at 64 units a cube), the table and every gradient of
+    /// [`table_part_results`](crate::test_util::table_part_results). Kept in f16, a unit's sum
+    /// of like-signed terms stops growing once its spacing passes twice a term (2048 terms).
+    /// The weights over the width are drawn small and positive on average, so that the sums
+    /// grow and stay inside f16's range. (The whole layer is left out: at this width its
+    /// gradients of `m_W` pass f16's largest.) The composed reference runs on Flex: lavapipe
+    /// stops a shader's loops after 65535 iterations in all, which Burn's reductions over rows
+    /// this long can reach.
+    #[cfg(feature = "wgpu")]
+    #[test]
+    fn half_precision_table_kernels_sum_in_f32() {
+        use crate::backend::UnitOps;
+        use crate::test_util::{
+            OnDeviceAs, assert_half_sums_in_f32, fixed_normal, gradient_data, table_part_results,
+            wgpu_autodiff,
+        };
+        /// Fixed draws: `1e-4 ± 1e-4` for the parameters over the width, `0.5 ± 0.2` for the
+        /// others.
+        struct Redrawn {
+            width: usize,
+            seed: u64,
+        }
+        impl burn::module::ModuleMapper for Redrawn {
+            fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+                self.seed += 1;
+                let (width, seed) = (self.width, self.seed);
+                param.map(|tensor| {
+                    let (mean, std) = if tensor.dims()[0] == width {
+                        (1e-4, 1e-4)
+                    } else {
+                        (0.5, 0.2)
+                    };
+                    (fixed_normal(tensor.dims(), std, seed, &tensor.device()) + mean).require_grad()
+                })
+            }
+        }
+        let (streams, tokens, width) = (4, 2, 1 << 18);
+        let flex = Device::flex().autodiff();
+        let hc = HyperConnectionsConfig::new(width)
+            .with_streams(streams)
+            .with_tanh(false)
+            .init(1, &flex)
+            .expect("valid config")
+            .map(&mut Redrawn { width, seed: 0 });
+        let units = fixed_normal([tokens, streams, width], 0.1, 7, &flex) + 0.1;
+        assert_half_sums_in_f32("gated table", |dtype, kernels| {
+            let device = if kernels {
+                wgpu_autodiff()
+            } else {
+                flex.clone()
+            };
+            let hc = hc.clone().map(&mut OnDeviceAs(device.clone(), dtype));
+            let units = Tensor::<3>::from_data(units.to_data(), &device).cast(dtype);
+            let ops = if kernels {
+                UnitOps::Kernels.layer()
+            } else {
+                LayerOps::composed()
+            };
+            let layer = &hc.layers[0];
+            let dynamic = layer.dynamic.as_ref().expect("dynamic by default");
+            table_part_results(&hc, &units, ops, |grads| {
+                vec![
+                    gradient_data(&layer.static_alpha, grads),
+                    gradient_data(&layer.static_beta, grads),
+                    gradient_data(&dynamic.dynamic_alpha_fn, grads),
+                    gradient_data(&dynamic.dynamic_alpha_scale, grads),
+                    gradient_data(&dynamic.dynamic_beta_fn, grads),
+                    gradient_data(&dynamic.dynamic_beta_scale, grads),
+                    gradient_data(&dynamic.norm_gamma, grads),
+                ]
+            })
+        });
+    }
+
     #[test]
     fn one_static_stream_is_exactly_resnet() {
         let device = Device::flex();

@@ -545,6 +545,47 @@ mod tests {
         }
     }
 
+    /// In f16 the table's kernels keep each token's norm, not its sum of squares: for tokens of
+    /// 4 × 1024 entries of RMS 5 (`‖x‖² ≈ 1.0e5`, past f16's largest, 65504) the table, the
+    /// layer and every gradient come within 5e-2 of the f32 composed form's, relative to each
+    /// result's largest entry (most within 2e-3; the scalars' gradients, sums over three tokens
+    /// that cancel, to 1.4e-2). With `‖x‖²` cast to f16 before its root, as the kernels did,
+    /// the norm was infinite, the scale 0, and the errors 0.24 to 1.
+    #[cfg(feature = "wgpu")]
+    #[test]
+    fn half_precision_tables_keep_norms_whose_squares_f16_overflows() {
+        use crate::backend::UnitOps;
+        use crate::test_util::{
+            OnDeviceAs, Perturbed, fixed_normal, scaled_errors, table_results, wgpu_autodiff,
+        };
+        use burn::tensor::FloatDType;
+        let (streams, tokens, width) = (4, 3, 1024);
+        let flex = Device::flex().autodiff();
+        let mhc = MhcConfig::new(width)
+            .with_streams(streams)
+            .init(1, &flex)
+            .expect("valid config")
+            .map(&mut Perturbed::new(0.3));
+        let units = fixed_normal([tokens, streams, width], 5.0, 7, &flex);
+        let exact = table_results(&mhc, &units, LayerOps::composed, |grads| {
+            mhc.layers[0].gradient_data(grads)
+        });
+        let wgpu = wgpu_autodiff();
+        let half = mhc.map(&mut OnDeviceAs(wgpu.clone(), FloatDType::F16));
+        let units = Tensor::<3>::from_data(units.to_data(), &wgpu).cast(FloatDType::F16);
+        let results = table_results(
+            &half,
+            &units,
+            || UnitOps::Kernels.layer(),
+            |grads| half.layers[0].gradient_data(grads),
+        );
+        let errors = scaled_errors(&results, &exact, "mHC table in f16");
+        eprintln!("mHC table in f16, RMS 5: errors {errors:?}");
+        for (index, error) in errors.iter().enumerate() {
+            assert!(*error <= 5e-2, "result {index}: {error:e} of its scale");
+        }
+    }
+
     /// The fused op against the composed operations on the same device, forward and gradient,
     /// for several sizes, iteration counts and logit scales; zero iterations (which the configs
     /// refuse, but a public field or `MhcLayer::connections` can pass) run one in both.

@@ -130,6 +130,23 @@ impl burn::module::ModuleMapper for OnDevice {
     }
 }
 
+/// Every float parameter copied onto a device and cast to a float type, requiring a gradient
+/// (for running one model in several precisions).
+pub struct OnDeviceAs(pub Device, pub burn::tensor::FloatDType);
+
+impl burn::module::ModuleMapper for OnDeviceAs {
+    fn map_float<const D: usize>(
+        &mut self,
+        param: burn::module::Param<Tensor<D>>,
+    ) -> burn::module::Param<Tensor<D>> {
+        param.map(|tensor| {
+            Tensor::<D>::from_data(tensor.to_data(), &self.0)
+                .cast(self.1)
+                .require_grad()
+        })
+    }
+}
+
 /// Runs `gradients` (every gradient of a loss, each read back to the host) on an autodiff Flex
 /// device with and without Burn's gradient checkpointing, which recomputes memory-bound
 /// operations in the backward pass, and asserts that both give the same gradients.
@@ -276,12 +293,9 @@ pub fn wgpu_autodiff() -> Device {
         .autodiff()
 }
 
-/// The first layer's connections of `connectivity` made through the CubeCL connection-table
-/// kernels against the composed tensor ops, on its (wgpu) device: the view rows, residual rows
-/// and `β` it returns for units of `shape` (entries of deviation `std`, a fixed draw), and the
-/// gradients of the units and of every parameter (`parameters`, read from the gradients) for
-/// the loss `Σ_k ⟨probe_k, part_k⟩`; then the whole layer (block input, a block `tanh`, next
-/// units) with its mixes, values and gradients of a probe of the next units.
+/// [`table_results`] for the first layer of `connectivity` through the CubeCL connection-table
+/// kernels, in each of the knobs' forms, against the composed tensor ops, on its (wgpu) device,
+/// for units of `shape` (entries of deviation `std`, a fixed draw).
 #[cfg(feature = "wgpu")]
 pub fn assert_table_kernels_match_composed<M: crate::multi_stream::MultiStream>(
     connectivity: &M,
@@ -291,71 +305,14 @@ pub fn assert_table_kernels_match_composed<M: crate::multi_stream::MultiStream>(
     case: &str,
 ) {
     use crate::backend::{Knobs, LayerOps, ProductPath, ProjectionPath, UnitOps, with_each_knobs};
-    use crate::multi_stream::MixingLayer;
     let device = connectivity
         .devices()
         .into_iter()
         .next()
         .expect("a parameter");
     let units = &fixed_normal(shape, std, 7, &device);
-    let layer = connectivity.mixing(0).expect("one block");
-    let mixing = |units: &Tensor<3>, ops: &LayerOps| layer.mixing(units, ops);
-    let run = |ops: LayerOps| -> Vec<TensorData> {
-        let units = units.clone().detach().require_grad();
-        let crate::multi_stream::Mixing {
-            input,
-            residual,
-            beta,
-            ..
-        } = mixing(&units, &ops);
-        let beta = beta.tensor(&residual.matrices);
-        let parts = [input.taken(), residual.taken(), beta];
-        let loss = parts
-            .iter()
-            .enumerate()
-            .map(|(k, part)| {
-                // Fixed probes: a smooth function of the position, so both runs see the same.
-                let count = part.shape().num_elements();
-                let probe: Vec<f32> = (0..count)
-                    .map(|i| ((i * 7 + k * 3) as f32 * 0.37).sin())
-                    .collect();
-                let probe = Tensor::<1>::from_data(TensorData::new(probe, [count]), &part.device())
-                    .reshape(part.dims());
-                (part.clone() * probe).sum()
-            })
-            .reduce(|a, b| a + b)
-            .expect("three parts");
-        let grads = loss.backward();
-        let mut results: Vec<TensorData> = parts.into_iter().map(Tensor::into_data).collect();
-        results.push(units.grad(&grads).expect("the units are used").into_data());
-        results.extend(parameters(&grads));
-        results
-    };
-    // The whole layer: the block input `u = A_in S`, a block `h = tanh(u)`, the next units
-    // `A_res S + β h`, through the mixes that hand their gradients on in the layer's slot.
-    let run_layer = |ops: LayerOps| -> Vec<TensorData> {
-        let units = units.clone().detach().require_grad();
-        let crate::multi_stream::Mixing {
-            input,
-            residual,
-            beta,
-            slot,
-        } = mixing(&units, &ops);
-        let block_input = ops.mix(input, units.clone(), None, slot);
-        let branch = block_input.clone().tanh();
-        let next = ops.mix(residual, units.clone(), Some((beta, branch)), slot);
-        let count = next.shape().num_elements();
-        let probe: Vec<f32> = (0..count).map(|i| (i as f32 * 0.53).cos()).collect();
-        let probe = Tensor::<1>::from_data(TensorData::new(probe, [count]), &next.device())
-            .reshape(next.dims());
-        let grads = (next.clone() * probe).sum().backward();
-        let mut results = vec![block_input.into_data(), next.into_data()];
-        results.push(units.grad(&grads).expect("the units are used").into_data());
-        results.extend(parameters(&grads));
-        results
-    };
-    let mut composed = run(LayerOps::composed());
-    composed.extend(run_layer(LayerOps::composed()));
+    let run = |ops: fn() -> LayerOps| table_results(connectivity, units, ops, &parameters);
+    let composed = run(LayerOps::composed);
     // The kernels' default forms, then the other forms a GPU measurement may pick
     // (`cube_launch::Knobs`): 16 units per row with one row per step of the weights' product,
     // then Burn's matmul for every product with the weights. (Two units per row unroll 64
@@ -371,14 +328,106 @@ pub fn assert_table_kernels_match_composed<M: crate::multi_stream::MultiStream>(
         ..Knobs::default()
     };
     let each = [Knobs::default(), tiled, matmul];
-    let runs = with_each_knobs(each, || {
-        let mut kernels = run(UnitOps::Kernels.layer());
-        kernels.extend(run_layer(UnitOps::Kernels.layer()));
-        kernels
-    });
+    let runs = with_each_knobs(each, || run(|| UnitOps::Kernels.layer()));
     for (knobs, kernels) in each.iter().zip(runs) {
         assert_kernels_match(&kernels, &composed, &format!("{case}, {knobs:?}"));
     }
+}
+
+/// The first layer's connections of `connectivity` for `units`, through the ops `ops` makes
+/// (one fresh set per pass): [`table_part_results`], then [`layer_results`].
+#[cfg(feature = "wgpu")]
+pub fn table_results<M: crate::multi_stream::MultiStream>(
+    connectivity: &M,
+    units: &Tensor<3>,
+    ops: impl Fn() -> crate::backend::LayerOps,
+    parameters: impl Fn(&burn::tensor::Gradients) -> Vec<TensorData>,
+) -> Vec<TensorData> {
+    let mut results = table_part_results(connectivity, units, ops(), &parameters);
+    results.extend(layer_results(connectivity, units, ops(), &parameters));
+    results
+}
+
+/// The view rows, residual rows and `β` of the first layer of `connectivity` for `units`
+/// through `ops`, then the gradients of the units and of every parameter (`parameters`, read
+/// from the gradients) for the loss `Σ_k ⟨probe_k, part_k⟩`, with fixed probes between 0.5
+/// and 1.5 (positive, so that a parameter's gradient summed over the parts does not cancel).
+#[cfg(feature = "wgpu")]
+pub fn table_part_results<M: crate::multi_stream::MultiStream>(
+    connectivity: &M,
+    units: &Tensor<3>,
+    ops: crate::backend::LayerOps,
+    parameters: impl Fn(&burn::tensor::Gradients) -> Vec<TensorData>,
+) -> Vec<TensorData> {
+    use crate::multi_stream::MixingLayer;
+    use burn::tensor::FloatDType;
+    let layer = connectivity.mixing(0).expect("one block");
+    let units = units.clone().detach().require_grad();
+    let crate::multi_stream::Mixing {
+        input,
+        residual,
+        beta,
+        ..
+    } = layer.mixing(&units, &ops);
+    let beta = beta.tensor(&residual.matrices);
+    let parts = [input.taken(), residual.taken(), beta];
+    let loss = parts
+        .iter()
+        .enumerate()
+        .map(|(k, part)| {
+            // A smooth function of the position, so that every run sees the same.
+            let count = part.shape().num_elements();
+            let probe: Vec<f32> = (0..count)
+                .map(|i| 1.0 + 0.5 * ((i * 7 + k * 3) as f32 * 0.37).sin())
+                .collect();
+            let probe = Tensor::<1>::from_data(TensorData::new(probe, [count]), &part.device())
+                .reshape(part.dims())
+                .cast(FloatDType::from(part.dtype()));
+            (part.clone() * probe).sum()
+        })
+        .reduce(|a, b| a + b)
+        .expect("three parts");
+    let grads = loss.backward();
+    let mut results: Vec<TensorData> = parts.into_iter().map(Tensor::into_data).collect();
+    results.push(units.grad(&grads).expect("the units are used").into_data());
+    results.extend(parameters(&grads));
+    results
+}
+
+/// The whole first layer of `connectivity` for `units` through `ops`: the block input
+/// `u = A_in S`, a block `h = tanh(u)`, the next units `A_res S + β h`, through the mixes that
+/// hand their gradients on in the layer's slot. Block input, next units, then the gradients of
+/// the units and of every parameter (`parameters`) for a fixed probe of the next units.
+#[cfg(feature = "wgpu")]
+pub fn layer_results<M: crate::multi_stream::MultiStream>(
+    connectivity: &M,
+    units: &Tensor<3>,
+    ops: crate::backend::LayerOps,
+    parameters: impl Fn(&burn::tensor::Gradients) -> Vec<TensorData>,
+) -> Vec<TensorData> {
+    use crate::multi_stream::MixingLayer;
+    use burn::tensor::FloatDType;
+    let layer = connectivity.mixing(0).expect("one block");
+    let units = units.clone().detach().require_grad();
+    let crate::multi_stream::Mixing {
+        input,
+        residual,
+        beta,
+        slot,
+    } = layer.mixing(&units, &ops);
+    let block_input = ops.mix(input, units.clone(), None, slot);
+    let branch = block_input.clone().tanh();
+    let next = ops.mix(residual, units.clone(), Some((beta, branch)), slot);
+    let count = next.shape().num_elements();
+    let probe: Vec<f32> = (0..count).map(|i| (i as f32 * 0.53).cos()).collect();
+    let probe = Tensor::<1>::from_data(TensorData::new(probe, [count]), &next.device())
+        .reshape(next.dims())
+        .cast(FloatDType::from(next.dtype()));
+    let grads = (next.clone() * probe).sum().backward();
+    let mut results = vec![block_input.into_data(), next.into_data()];
+    results.push(units.grad(&grads).expect("the units are used").into_data());
+    results.extend(parameters(&grads));
+    results
 }
 
 /// Each of `kernels` equal to the same entry of `composed` within a tolerance scaled to the
@@ -413,6 +462,31 @@ fn assert_kernels_match(kernels: &[TensorData], composed: &[TensorData], case: &
 #[cfg(feature = "wgpu")]
 pub const HALF_SUMS_BOUND: f32 = 4.0 / 2048.0;
 
+/// Each of `results` against the same one of `exact`: its largest difference over the largest
+/// magnitude of `exact`'s, infinite where an entry of `results` is not finite (a maximum would
+/// pass over a NaN). `case` names the op in a failure.
+#[cfg(feature = "wgpu")]
+pub fn scaled_errors(results: &[TensorData], exact: &[TensorData], case: &str) -> Vec<f32> {
+    assert_eq!(results.len(), exact.len(), "{case}: one result each");
+    results
+        .iter()
+        .zip(exact)
+        .map(|(got, want)| {
+            let want: Vec<f32> = want.iter::<f32>().collect();
+            let largest = want.iter().fold(0.0f32, |top, v| top.max(v.abs()));
+            let worst = got.iter::<f32>().zip(&want).fold(0.0f32, |top, (g, w)| {
+                let error = if g.is_finite() {
+                    (g - w).abs()
+                } else {
+                    f32::INFINITY
+                };
+                top.max(error)
+            });
+            worst / largest
+        })
+        .collect()
+}
+
 /// A fused op's sums in f16: `run(dtype, kernels)` gives its results (values and gradients,
 /// read back as f32) for inputs in `dtype`, through the CubeCL kernels or the composed tensor
 /// ops. Through the kernels in f16 each result is within [`HALF_SUMS_BOUND`] of the composed
@@ -427,23 +501,7 @@ pub fn assert_half_sums_in_f32(
     use crate::backend::{Knobs, with_each_knobs};
     use burn::tensor::FloatDType;
     let exact = run(FloatDType::F32, false);
-    let errors = |results: Vec<TensorData>| -> Vec<f32> {
-        assert_eq!(results.len(), exact.len(), "{case}: one result each");
-        results
-            .iter()
-            .zip(&exact)
-            .map(|(got, want)| {
-                let got: Vec<f32> = got.iter::<f32>().collect();
-                let want: Vec<f32> = want.iter::<f32>().collect();
-                let largest = want.iter().fold(0.0f32, |top, v| top.max(v.abs()));
-                let worst = got
-                    .iter()
-                    .zip(&want)
-                    .fold(0.0f32, |top, (g, w)| top.max((g - w).abs()));
-                worst / largest
-            })
-            .collect()
-    };
+    let errors = |results: Vec<TensorData>| scaled_errors(&results, &exact, case);
     let composed = errors(run(FloatDType::F16, false));
     let own_type = Knobs {
         half_sums_in_f32: false,

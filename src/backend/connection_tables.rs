@@ -8,7 +8,8 @@
 //! (norm, product, activations, scales, the static part, the Sinkhorn-Knopp, the layout), and
 //! more backward (each broadcast parameter's gradient is a reduction of its own, each slice a
 //! zero fill and a copy). Here it is one kernel forward, which also keeps each row's projection
-//! and sum of squares (`K + 2` or `2n + r + 1` numbers a row, a constant to the graph);
+//! and norm `√(‖x‖² + c)` (`K + 2` or `2n + r + 1` numbers a row, a constant to the graph; the
+//! norm rather than its square, which f16 overflows at RMS 4 over 4096 entries);
 //! backward, one kernel takes every step back from those (a pass over the rows only for the
 //! block input's products, none for the projection), two make the projection weights'
 //! gradient, and one sums the small parameters' gradients over the tokens, one cube each.

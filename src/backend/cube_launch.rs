@@ -465,8 +465,9 @@ pub(crate) mod kernels {
     }
 
     /// `s(n) = a / max(ρ + b, f)` with `ρ = √(n² + c)` ([`row_root`]), the constants as the bits
-    /// of `f32`s (with `f = 0` the floor is left out: `a / 0` would fold into an infinite
-    /// constant that WGSL cannot write).
+    /// of `f32`s (with `f = 0` the floor is left out). The floor replaces the denominator
+    /// rather than dividing `a` itself: a floor that the type rounds to 0 (HC's 1e-12 in f16)
+    /// would fold `a / f` into an infinite constant that WGSL cannot write.
     #[cube]
     pub(crate) fn row_scale<E: Float>(
         root: E,
@@ -474,16 +475,14 @@ pub(crate) mod kernels {
         #[comptime] offset_bits: u32,
         #[comptime] floor_bits: u32,
     ) -> E {
-        let numerator = constant::<E>(numerator_bits);
-        let denominator = root + constant::<E>(offset_bits);
-        let mut scale = numerator / denominator;
+        let mut denominator = root + constant::<E>(offset_bits);
         if comptime!(floor_bits != 0) {
             let floor = constant::<E>(floor_bits);
             if denominator <= floor {
-                scale = numerator / floor;
+                denominator = floor;
             }
         }
-        scale
+        constant::<E>(numerator_bits) / denominator
     }
 
     /// `s'(n) / n = −s / (ρ + b) / ρ`: 0 where `s` is flat and for a zero root (a zero row

@@ -1155,6 +1155,44 @@ mod tests {
         assert_runs_agree(run(true), run(false), FloatDType::F32);
     }
 
+    /// In f16 the kernels sum in f32: `∂W` over rows of 2²⁰ entries, 4096 products a unit at
+    /// 256 units a cube. Kept in f16, a unit's sum of like-signed terms stops growing once its
+    /// spacing passes twice a term (2048 terms). The composed reference runs on Flex: lavapipe
+    /// stops a shader's loops after 65535 iterations in all, which Burn's reductions over rows
+    /// this long can reach.
+    #[cfg(feature = "wgpu")]
+    #[test]
+    fn half_precision_kernels_sum_in_f32() {
+        use crate::test_util::fixed_normal;
+        let flex = Device::flex().autodiff();
+        let shape = [1, 2, 1 << 20];
+        let states: Vec<Tensor<3>> = (0..3)
+            .map(|k| fixed_normal(shape, 0.3, 40 + k, &flex) + 1.0)
+            .collect();
+        let weights = fixed_normal([1, 2, 3], 0.2, 43, &flex) + 0.5;
+        // Small, so that the sums over a row stay inside f16's range.
+        let probe = fixed_normal(shape, 3e-4, 44, &flex) + 1e-3;
+        crate::test_util::assert_half_sums_in_f32("token mix", |dtype, fused| {
+            let device = if fused {
+                crate::test_util::wgpu_autodiff()
+            } else {
+                flex.clone()
+            };
+            let on = |x: &Tensor<3>| Tensor::<3>::from_data(x.to_data(), &device).cast(dtype);
+            let weights = on(&weights).require_grad();
+            let states: Vec<Tensor<3>> = states.iter().map(|s| on(s).require_grad()).collect();
+            let mixed = if fused {
+                super::token_mix(weights.clone(), states.clone())
+            } else {
+                super::composed(weights.clone(), states.clone())
+            };
+            let grads = (mixed.clone() * on(&probe)).sum().backward();
+            let mut out = vec![mixed.into_data(), weights.grad(&grads).unwrap().into_data()];
+            out.extend(states.iter().map(|s| s.grad(&grads).unwrap().into_data()));
+            out
+        });
+    }
+
     /// Without autodiff the op runs the forward alone, equal to the composed form.
     #[cfg(feature = "flex")]
     #[test]

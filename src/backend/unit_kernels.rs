@@ -841,6 +841,46 @@ mod tests {
         }
     }
 
+    /// The mixes in f16 sum in f32: `∂A` and `∂β` over a width of 2¹⁸, 4096 products a unit
+    /// at 64 units a cube. Kept in f16, a unit's sum of like-signed terms stops growing once
+    /// its spacing passes twice a term (2048 terms). The composed reference runs on Flex:
+    /// lavapipe stops a shader's loops after 65535 iterations in all, which Burn's reductions
+    /// over rows this long can reach.
+    #[test]
+    fn half_precision_mixes_sum_in_f32() {
+        use crate::test_util::fixed_normal;
+        let (tokens, rows, count, width) = (2, 4, 4, 1 << 18);
+        let flex = Device::flex().autodiff();
+        let draw = |shape: [usize; 3], mean: f64, std: f64, seed: u64| {
+            fixed_normal(shape, std, seed, &flex) + mean
+        };
+        let weights = draw([tokens, count, rows], 0.5, 0.2, 5).swap_dims(1, 2);
+        let units = draw([tokens, count, width], 1.0, 0.3, 6);
+        let beta = draw([tokens, rows, 1], 0.5, 0.2, 7);
+        let branch = draw([tokens, 1, width], 1.0, 0.3, 8);
+        // Small, so that the sums over the width stay inside f16's range.
+        let probe = draw([tokens, rows, width], 1e-3, 3e-4, 9);
+        crate::test_util::assert_half_sums_in_f32("stream mix", |dtype, kernels| {
+            let device = if kernels { wgpu() } else { flex.clone() };
+            let on = |x: &Tensor<3>| Tensor::<3>::from_data(x.to_data(), &device).cast(dtype);
+            let inputs = [&weights, &units, &beta, &branch].map(on);
+            values_and_gradients(&inputs, &on(&probe), |x| {
+                let read = MatrixRows {
+                    matrices: x[0].clone(),
+                    first: 0,
+                    count: rows,
+                };
+                if kernels {
+                    let addend = (Gains::Own(x[2].clone()), x[3].clone());
+                    mix(read, x[1].clone(), Some(addend), 0)
+                } else {
+                    let addend = (x[2].clone(), x[3].clone());
+                    composed_mix(read.taken(), x[1].clone(), Some(addend))
+                }
+            })
+        });
+    }
+
     /// `β` read as the last row of the mixing's matrices (a layer's connections made as one
     /// table `[T, V + U + 1, U]`), against the composed ops on that row taken out: values and
     /// the gradients of the table (`β`'s row included), the units and the branch.

@@ -34,8 +34,9 @@
 #                   with its weights (BURN_CONNECTIVITY_TABLE_PROJECTION=matmul: forward xΦ,
 #                   backward (s δ)Φᵀ), then with the weights' gradient through the matmul too
 #   tables-matmul   the train step of mHC and V4 on CUDA with both of those matmuls
-#   ncu-tables      Nsight Compute's throughput, occupancy and launch sections for the first
-#                   forward, backward and weights' product of mHC's table (where ncu exists)
+#   ncu-tables      Nsight Compute's throughput, occupancy, launch and memory sections for the
+#                   first forward, backward and weights' product of mHC's table, then HC's
+#                   gated forward and backward (where ncu exists)
 #   conformance     the golden vectors on CUDA in f64 (`--float f64`: f32 matrix products run
 #                   in TF32 there, which the f32 tolerances do not allow; each file's checks as
 #                   it finishes)
@@ -282,14 +283,20 @@ run_stage() {
             # ncu follows its target through LD_PRELOAD: `env LD_PRELOAD=stub` (RUN) would drop
             # ncu's own library, so the stub is put in front of what ncu set, not in its place.
             local keep=(bash -c 'LD_PRELOAD="$0${LD_PRELOAD:+:$LD_PRELOAD}" exec "$@"' "$STUB")
-            for kernel in '[Nn]ormalised_?[Ff]orward' '[Nn]ormalised_?[Bb]ackward' \
-                '[Ww]eights_?[Pp]roduct'; do
+            # Then HC's gated table: its W [w, 5] read at stride 5 by consecutive units would
+            # cost about 25 L1 wavefronts a warp per step where a coalesced read costs 5
+            # (BENCHMARKS.md, "HC's gated table"): the tables' sectors per request say.
+            for case in mhc:'[Nn]ormalised_?[Ff]orward' mhc:'[Nn]ormalised_?[Bb]ackward' \
+                mhc:'[Ww]eights_?[Pp]roduct' hc:'[Gg]ated_?[Ff]orward' hc:'[Gg]ated_?[Bb]ackward'; do
+                kernel=${case#*:}
                 (cd /tmp/ncu && step 60 "$ncu" --target-processes all --kernel-name "regex:$kernel" \
                     --launch-count 1 --clock-control none --cache-control none \
                     --section SpeedOfLight --section Occupancy \
                     --section LaunchStats --section MemoryWorkloadAnalysis \
+                    --section MemoryWorkloadAnalysis_Tables \
                     "${keep[@]}" "$OLDPWD/$BIN/bench_connectivity" --device cuda --only model \
-                    --runs 1 --warmup 0 --passes train-step --variants mhc) >>"$OUT/profile.log" 2>&1
+                    --runs 1 --warmup 0 --passes train-step --variants "${case%%:*}") \
+                    >>"$OUT/profile.log" 2>&1
             done
             grep -aE 'Duration|Achieved Occupancy|Compute \(SM\) Throughput|Memory Throughput|==ERROR==' \
                 "$OUT/profile.log" | tail -20

@@ -304,7 +304,8 @@ impl ConnectionTableBackend for CubeBackend {
         sinkhorn_epsilon: f64,
         numerator: f64,
         offset: f64,
-        root_offset: f64,
+        // The forward's saved root `√(‖x‖² + c)` holds `c` already.
+        _root_offset: f64,
     ) -> (
         FloatTensor<Self>,
         FloatTensor<Self>,
@@ -374,7 +375,6 @@ impl ConnectionTableBackend for CubeBackend {
             kernel_constant(sinkhorn_epsilon),
             kernel_constant(numerator),
             kernel_constant(offset),
-            kernel_constant(root_offset),
             float_types(rows.dtype),
         );
         let grad_rows = if let Some(weights_transposed) = weights_transposed {
@@ -542,16 +542,23 @@ mod kernels {
             columns,
             threads,
         );
-        let scale = row_scale::<E>(
-            E::cast_from(shared[comptime!(columns + 1)].sqrt()),
+        let norm = shared[comptime!(columns + 1)].sqrt();
+        // In the summing type, as the norm: f16 rounds the floor (1e-12) to 0.
+        let scale = E::cast_from(row_scale::<A>(
+            norm,
             numerator_bits,
             offset_bits,
             floor_bits,
-        );
-        // `p` and `‖x‖²`, kept for the backward, which then projects nothing again.
+        ));
+        // `p` and `‖x‖`, kept for the backward, which then projects nothing again (the norm,
+        // not its square: in f16 a row of 4096 entries of RMS 4 has ‖x‖² past f16's largest).
         let mut c = UNIT_POS as usize;
         while c < comptime!(columns + 2) {
-            projection[row * comptime!(columns + 2) + c] = E::cast_from(shared[c]);
+            let mut value = shared[c];
+            if c == comptime!(columns + 1) {
+                value = norm;
+            }
+            projection[row * comptime!(columns + 2) + c] = E::cast_from(value);
             c += threads;
         }
         let t = row / units;
@@ -638,16 +645,18 @@ mod kernels {
         }
         let width = rows.shape(1);
         let unit = UNIT_POS as usize;
-        // The forward's `p` and `‖x‖²`.
+        // The forward's `p` and `‖x‖`.
         let slots = comptime!(columns + 2);
         let mut projected = Array::<E>::new(slots);
         #[unroll]
         for c in 0..slots {
             projected[c] = projection[row * slots + c];
         }
-        let norm = projected[comptime!(columns + 1)].sqrt();
-        let scale = row_scale::<E>(norm, numerator_bits, offset_bits, floor_bits);
-        let slope = row_slope::<E>(norm, scale, offset_bits, floor_bits);
+        // The scale and its slope in the summing type, as in the forward.
+        let norm = A::cast_from(projected[comptime!(columns + 1)]);
+        let scale = row_scale::<A>(norm, numerator_bits, offset_bits, floor_bits);
+        let slope = E::cast_from(row_slope::<A>(norm, scale, offset_bits, floor_bits));
+        let scale = E::cast_from(scale);
         let t = row / units;
         let q = row % units;
         // The block input's part of the table's gradient, ⟨∂u_v, x_r⟩ (see `views`).
@@ -958,15 +967,19 @@ mod kernels {
         let row = first + unit;
         if unit < rows_per_cube && row < rows.shape(0) {
             let at = unit * comptime!(group * slots);
-            // `xΦ` and `‖x‖²`, kept for the backward, which then projects nothing again.
+            // `xΦ` and `ρ = √(‖x‖² + c)`, kept for the backward, which then projects nothing
+            // again (the root, not the sum of squares: in f16 a token of 4 × 768 entries of
+            // RMS 5 has ‖x‖² past f16's largest).
             let mut projected = Array::<E>::new(slots);
             #[unroll]
-            for c in 0..slots {
+            for c in 0..columns {
                 let value = E::cast_from(shared[at + c]);
                 projected[c] = value;
                 projection[row * slots + c] = value;
             }
-            let root = row_root::<E>(projected[columns], root_offset_bits);
+            let root = E::cast_from(row_root::<A>(shared[at + columns], root_offset_bits));
+            projected[columns] = root;
+            projection[row * slots + columns] = root;
             let scale = row_scale::<E>(root, numerator_bits, offset_bits, 0u32);
             let z = logits::<E>(
                 &projected,
@@ -1052,7 +1065,6 @@ mod kernels {
         #[comptime] epsilon_bits: u32,
         #[comptime] numerator_bits: u32,
         #[comptime] offset_bits: u32,
-        #[comptime] root_offset_bits: u32,
         #[define(E, A)] _dtypes: [ElemType; 2],
     ) {
         let tokens = rows.shape(0);
@@ -1078,7 +1090,7 @@ mod kernels {
         });
         let mut shared = Shared::<[A]>::new_slice(shared_len);
         let mut steps = Shared::<[E]>::new_slice(comptime!(rows_per_cube * per_row));
-        // The forward's `xΦ` and `‖x‖²` come saved; only the products with the block input's
+        // The forward's `xΦ` and `ρ` come saved; only the products with the block input's
         // gradient, `⟨∂u, x_t[k]⟩`, need a pass over the rows first.
         let mut products = Array::<A>::new(n);
         #[unroll]
@@ -1104,7 +1116,7 @@ mod kernels {
                 projected[c] = projection[row * slots + c];
             }
             let step_at = unit * per_row;
-            let root = row_root::<E>(projected[columns], root_offset_bits);
+            let root = projected[columns];
             let scale = row_scale::<E>(root, numerator_bits, offset_bits, 0u32);
             let a_in = input_scale[0];
             let a_depth = scale_entry::<E>(input_scale, depth_scale, 1usize, packed_scales);

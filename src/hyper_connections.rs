@@ -124,6 +124,26 @@ pub struct HcDynamic {
 }
 
 impl HcLayer {
+    /// The gradients of `A`, `b`, the dynamic weights and scales (`W`, `m_W`, `v`, `m_v`) and
+    /// the norm's `γ`, in that order (for tests; the layer must be dynamic).
+    #[cfg(all(test, feature = "wgpu"))]
+    pub(crate) fn gradient_data(
+        &self,
+        grads: &burn::tensor::Gradients,
+    ) -> Vec<burn::tensor::TensorData> {
+        use crate::test_util::gradient_data;
+        let dynamic = self.dynamic.as_ref().expect("a dynamic layer");
+        vec![
+            gradient_data(&self.static_alpha, grads),
+            gradient_data(&self.static_beta, grads),
+            gradient_data(&dynamic.dynamic_alpha_fn, grads),
+            gradient_data(&dynamic.dynamic_alpha_scale, grads),
+            gradient_data(&dynamic.dynamic_beta_fn, grads),
+            gradient_data(&dynamic.dynamic_beta_scale, grads),
+            gradient_data(&dynamic.norm_gamma, grads),
+        ]
+    }
+
     fn new(
         block: usize,
         layout: Layout,
@@ -474,9 +494,7 @@ mod tests {
     #[cfg(feature = "wgpu")]
     #[test]
     fn connection_table_kernels_match_the_composed_connections() {
-        use crate::test_util::{
-            Perturbed, assert_table_kernels_match_composed, gradient_data, wgpu_autodiff,
-        };
+        use crate::test_util::{Perturbed, assert_table_kernels_match_composed, wgpu_autodiff};
         let device = wgpu_autodiff();
         for (streams, fractions, tanh, tokens, width) in [
             (4, 1, true, 37, 24),
@@ -492,22 +510,11 @@ mod tests {
                 .expect("valid config")
                 .map(&mut Perturbed::new(0.5));
             let layer = &hc.layers[0];
-            let dynamic = layer.dynamic.as_ref().expect("dynamic by default");
             assert_table_kernels_match_composed(
                 &hc,
                 [tokens, streams * fractions, width / fractions],
                 1.0,
-                |grads| {
-                    vec![
-                        gradient_data(&layer.static_alpha, grads),
-                        gradient_data(&layer.static_beta, grads),
-                        gradient_data(&dynamic.dynamic_alpha_fn, grads),
-                        gradient_data(&dynamic.dynamic_alpha_scale, grads),
-                        gradient_data(&dynamic.dynamic_beta_fn, grads),
-                        gradient_data(&dynamic.dynamic_beta_scale, grads),
-                        gradient_data(&dynamic.norm_gamma, grads),
-                    ]
-                },
+                |grads| layer.gradient_data(grads),
                 &format!("n={streams} m={fractions} tanh={tanh} T={tokens} d={width}"),
             );
         }
@@ -527,8 +534,7 @@ mod tests {
     fn half_precision_table_kernels_sum_in_f32() {
         use crate::backend::UnitOps;
         use crate::test_util::{
-            OnDeviceAs, assert_half_sums_in_f32, fixed_normal, gradient_data, table_part_results,
-            wgpu_autodiff,
+            OnDeviceAs, assert_half_sums_in_f32, fixed_normal, table_part_results, wgpu_autodiff,
         };
         /// Fixed draws: `1e-4 ± 1e-4` for the parameters over the width, `0.5 ± 0.2` for the
         /// others.
@@ -573,18 +579,7 @@ mod tests {
                 LayerOps::composed()
             };
             let layer = &hc.layers[0];
-            let dynamic = layer.dynamic.as_ref().expect("dynamic by default");
-            table_part_results(&hc, &units, ops, |grads| {
-                vec![
-                    gradient_data(&layer.static_alpha, grads),
-                    gradient_data(&layer.static_beta, grads),
-                    gradient_data(&dynamic.dynamic_alpha_fn, grads),
-                    gradient_data(&dynamic.dynamic_alpha_scale, grads),
-                    gradient_data(&dynamic.dynamic_beta_fn, grads),
-                    gradient_data(&dynamic.dynamic_beta_scale, grads),
-                    gradient_data(&dynamic.norm_gamma, grads),
-                ]
-            })
+            table_part_results(&hc, &units, ops, |grads| layer.gradient_data(grads))
         });
     }
 

@@ -348,6 +348,33 @@ pub fn table_results<M: crate::multi_stream::MultiStream>(
     results
 }
 
+/// A leaf of `units` and the first layer's mixing of `connectivity` for it through `ops`.
+#[cfg(feature = "wgpu")]
+fn first_layer_mixing<M: crate::multi_stream::MultiStream>(
+    connectivity: &M,
+    units: &Tensor<3>,
+    ops: &crate::backend::LayerOps,
+) -> (Tensor<3>, crate::multi_stream::Mixing) {
+    use crate::multi_stream::MixingLayer;
+    let units = units.clone().detach().require_grad();
+    let mixing = connectivity
+        .mixing(0)
+        .expect("one block")
+        .mixing(&units, ops);
+    (units, mixing)
+}
+
+/// A fixed probe of the shape, device and float type of `like`, entry `i` (row-major) being
+/// `value(i)`: a smooth function of the position, so that every run sees the same.
+#[cfg(feature = "wgpu")]
+fn probe_like(like: &Tensor<3>, value: impl Fn(usize) -> f32) -> Tensor<3> {
+    let count = like.shape().num_elements();
+    let values: Vec<f32> = (0..count).map(value).collect();
+    Tensor::<1>::from_data(TensorData::new(values, [count]), &like.device())
+        .reshape(like.dims())
+        .cast(burn::tensor::FloatDType::from(like.dtype()))
+}
+
 /// The view rows, residual rows and `β` of the first layer of `connectivity` for `units`
 /// through `ops`, then the gradients of the units and of every parameter (`parameters`, read
 /// from the gradients) for the loss `Σ_k ⟨probe_k, part_k⟩`, with fixed probes between 0.5
@@ -359,30 +386,14 @@ pub fn table_part_results<M: crate::multi_stream::MultiStream>(
     ops: crate::backend::LayerOps,
     parameters: impl Fn(&burn::tensor::Gradients) -> Vec<TensorData>,
 ) -> Vec<TensorData> {
-    use crate::multi_stream::MixingLayer;
-    use burn::tensor::FloatDType;
-    let layer = connectivity.mixing(0).expect("one block");
-    let units = units.clone().detach().require_grad();
-    let crate::multi_stream::Mixing {
-        input,
-        residual,
-        beta,
-        ..
-    } = layer.mixing(&units, &ops);
-    let beta = beta.tensor(&residual.matrices);
-    let parts = [input.taken(), residual.taken(), beta];
+    let (units, mixing) = first_layer_mixing(connectivity, units, &ops);
+    let beta = mixing.beta.tensor(&mixing.residual.matrices);
+    let parts = [mixing.input.taken(), mixing.residual.taken(), beta];
     let loss = parts
         .iter()
         .enumerate()
         .map(|(k, part)| {
-            // A smooth function of the position, so that every run sees the same.
-            let count = part.shape().num_elements();
-            let probe: Vec<f32> = (0..count)
-                .map(|i| 1.0 + 0.5 * ((i * 7 + k * 3) as f32 * 0.37).sin())
-                .collect();
-            let probe = Tensor::<1>::from_data(TensorData::new(probe, [count]), &part.device())
-                .reshape(part.dims())
-                .cast(FloatDType::from(part.dtype()));
+            let probe = probe_like(part, |i| 1.0 + 0.5 * ((i * 7 + k * 3) as f32 * 0.37).sin());
             (part.clone() * probe).sum()
         })
         .reduce(|a, b| a + b)
@@ -405,24 +416,17 @@ pub fn layer_results<M: crate::multi_stream::MultiStream>(
     ops: crate::backend::LayerOps,
     parameters: impl Fn(&burn::tensor::Gradients) -> Vec<TensorData>,
 ) -> Vec<TensorData> {
-    use crate::multi_stream::MixingLayer;
-    use burn::tensor::FloatDType;
-    let layer = connectivity.mixing(0).expect("one block");
-    let units = units.clone().detach().require_grad();
+    let (units, mixing) = first_layer_mixing(connectivity, units, &ops);
     let crate::multi_stream::Mixing {
         input,
         residual,
         beta,
         slot,
-    } = layer.mixing(&units, &ops);
+    } = mixing;
     let block_input = ops.mix(input, units.clone(), None, slot);
     let branch = block_input.clone().tanh();
     let next = ops.mix(residual, units.clone(), Some((beta, branch)), slot);
-    let count = next.shape().num_elements();
-    let probe: Vec<f32> = (0..count).map(|i| (i as f32 * 0.53).cos()).collect();
-    let probe = Tensor::<1>::from_data(TensorData::new(probe, [count]), &next.device())
-        .reshape(next.dims())
-        .cast(FloatDType::from(next.dtype()));
+    let probe = probe_like(&next, |i| (i as f32 * 0.53).cos());
     let grads = (next.clone() * probe).sum().backward();
     let mut results = vec![block_input.into_data(), next.into_data()];
     results.push(units.grad(&grads).expect("the units are used").into_data());

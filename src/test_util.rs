@@ -132,8 +132,10 @@ impl burn::module::ModuleMapper for OnDevice {
 
 /// Every float parameter copied onto a device and cast to a float type, requiring a gradient
 /// (for running one model in several precisions).
+#[cfg(feature = "wgpu")]
 pub struct OnDeviceAs(pub Device, pub burn::tensor::FloatDType);
 
+#[cfg(feature = "wgpu")]
 impl burn::module::ModuleMapper for OnDeviceAs {
     fn map_float<const D: usize>(
         &mut self,

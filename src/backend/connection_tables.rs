@@ -368,10 +368,11 @@ pub(crate) trait ConnectionTableBackend: Backend {
     ) -> (FloatTensor<Self>, FloatTensor<Self>);
 
     /// The gradients of the normalised form's six inputs (not the mixture's matrices), given
-    /// the table's and the forward's `projection`; `previous_rows`, `input_grad` (`[T, 1, C]`)
-    /// and `input_views` (0 or 1) as in [`gated_table_backward`](Self::gated_table_backward).
+    /// the table's and the forward's `projection` (its last column each row's `√(‖x‖² + c)`,
+    /// so `c` is not passed again); `previous_rows`, `input_grad` (`[T, 1, C]`) and
+    /// `input_views` (0 or 1) as in [`gated_table_backward`](Self::gated_table_backward).
     #[fusion(meta = |rows, weights, input_scale, depth_scale, residual_scale, bias, _, _, _, _, _,
-        _, _, _, _, _, _, _, _, _, _, _| (
+        _, _, _, _, _, _, _, _, _, _| (
         rows.clone(),
         weights.clone(),
         input_scale.clone(),
@@ -402,7 +403,6 @@ pub(crate) trait ConnectionTableBackend: Backend {
         sinkhorn_epsilon: f64,
         numerator: f64,
         offset: f64,
-        root_offset: f64,
     ) -> (
         FloatTensor<Self>,
         FloatTensor<Self>,
@@ -498,7 +498,6 @@ struct NormalisedConstants {
     sinkhorn_epsilon: f64,
     numerator: f64,
     offset: f64,
-    root_offset: f64,
     slot: u64,
 }
 
@@ -552,7 +551,6 @@ impl<B: ConnectionTableBackend> Backward<B, 7> for NormalisedTable {
             k.sinkhorn_epsilon,
             k.numerator,
             k.offset,
-            k.root_offset,
         );
         // The mixture's matrices are constants: no gradient is registered for them.
         let [p0, p1, p2, p3, p4, p5, _] = ops.parents;
@@ -698,7 +696,6 @@ impl<B: ConnectionTableBackend, C: CheckpointStrategy> ConnectionTableBackend fo
             sinkhorn_epsilon,
             numerator,
             offset,
-            root_offset,
             slot,
         };
         let (table, projection) = tracked_op_saving::<B, C, _, _, _>(
@@ -760,7 +757,6 @@ impl<B: ConnectionTableBackend, C: CheckpointStrategy> ConnectionTableBackend fo
         sinkhorn_epsilon: f64,
         numerator: f64,
         offset: f64,
-        root_offset: f64,
     ) -> (
         FloatTensor<Self>,
         FloatTensor<Self>,
@@ -792,7 +788,6 @@ impl<B: ConnectionTableBackend, C: CheckpointStrategy> ConnectionTableBackend fo
             sinkhorn_epsilon,
             numerator,
             offset,
-            root_offset,
         );
         (
             constant::<B, C>(a),

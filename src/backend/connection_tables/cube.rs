@@ -304,8 +304,6 @@ impl ConnectionTableBackend for CubeBackend {
         sinkhorn_epsilon: f64,
         numerator: f64,
         offset: f64,
-        // The forward's saved root `√(‖x‖² + c)` holds `c` already.
-        _root_offset: f64,
     ) -> (
         FloatTensor<Self>,
         FloatTensor<Self>,

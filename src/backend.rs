@@ -32,7 +32,7 @@ pub(crate) use connection_tables::{Gated, Normalised, TableForm};
 #[cfg(feature = "cube-kernels")]
 mod cube_launch;
 #[cfg(all(test, feature = "cube-kernels"))]
-pub(crate) use cube_launch::{Knobs, ProductPath, ProjectionPath, with_each_knobs};
+pub(crate) use cube_launch::{GatedWeights, Knobs, ProductPath, ProjectionPath, with_each_knobs};
 #[cfg(feature = "flex")]
 pub(crate) mod fft_conv;
 #[cfg(feature = "flex")]

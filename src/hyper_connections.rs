@@ -532,9 +532,10 @@ mod tests {
     #[cfg(feature = "wgpu")]
     #[test]
     fn half_precision_table_kernels_sum_in_f32() {
-        use crate::backend::UnitOps;
+        use crate::backend::{GatedWeights, Knobs, UnitOps};
         use crate::test_util::{
-            OnDeviceAs, assert_half_sums_in_f32, fixed_normal, table_part_results, wgpu_autodiff,
+            OnDeviceAs, assert_half_sums_in_f32_in_forms, fixed_normal, table_part_results,
+            wgpu_autodiff,
         };
         /// Fixed draws: `1e-4 ± 1e-4` for the parameters over the width, `0.5 ± 0.2` for the
         /// others.
@@ -565,7 +566,15 @@ mod tests {
             .expect("valid config")
             .map(&mut Redrawn { width, seed: 0 });
         let units = fixed_normal([tokens, streams, width], 0.1, 7, &flex) + 0.1;
-        assert_half_sums_in_f32("gated table", |dtype, kernels| {
+        // The kernels as the fifth lease measured them, then with the weights staged in
+        // shared memory for 4 rows per cube.
+        let staged = Knobs {
+            gated_weights: GatedWeights::Staged,
+            gated_rows: 4,
+            ..Knobs::default()
+        };
+        let forms = [Knobs::default(), staged];
+        assert_half_sums_in_f32_in_forms("gated table", &forms, |dtype, kernels| {
             let device = if kernels {
                 wgpu_autodiff()
             } else {

@@ -306,7 +306,9 @@ pub fn assert_table_kernels_match_composed<M: crate::multi_stream::MultiStream>(
     parameters: impl Fn(&burn::tensor::Gradients) -> Vec<TensorData>,
     case: &str,
 ) {
-    use crate::backend::{Knobs, LayerOps, ProductPath, ProjectionPath, UnitOps, with_each_knobs};
+    use crate::backend::{
+        GatedWeights, Knobs, LayerOps, ProductPath, ProjectionPath, UnitOps, with_each_knobs,
+    };
     let device = connectivity
         .devices()
         .into_iter()
@@ -317,16 +319,21 @@ pub fn assert_table_kernels_match_composed<M: crate::multi_stream::MultiStream>(
     let composed = run(LayerOps::composed);
     // The kernels' default forms, then the other forms a GPU measurement may pick
     // (`cube_launch::Knobs`): 16 units per row with one row per step of the weights' product,
-    // then Burn's matmul for every product with the weights. (Two units per row unroll 64
-    // entries per unit: lavapipe took 20 minutes to compile those kernels for these tests.)
+    // and the gated table's weights staged in shared memory for 4 rows per cube; then Burn's
+    // matmul for every product with the weights, and the gated weights read directly for 2
+    // rows per cube. (Two units per row unroll 64 entries per unit: lavapipe took 20 minutes
+    // to compile those kernels for these tests.)
     let tiled = Knobs {
         row_group: 16,
         weights_product: ProductPath::Kernel { rows_per_step: 1 },
+        gated_weights: GatedWeights::Staged,
+        gated_rows: 4,
         ..Knobs::default()
     };
     let matmul = Knobs {
         weights_product: ProductPath::Matmul,
         table_projection: ProjectionPath::Matmul,
+        gated_rows: 2,
         ..Knobs::default()
     };
     let each = [Knobs::default(), tiled, matmul];
@@ -504,6 +511,17 @@ pub fn assert_half_sums_in_f32(
     case: &str,
     run: impl Fn(burn::tensor::FloatDType, bool) -> Vec<TensorData>,
 ) {
+    assert_half_sums_in_f32_in_forms(case, &[crate::backend::Knobs::default()], run);
+}
+
+/// [`assert_half_sums_in_f32`] with the kernels in each of the knobs' `forms` (each within the
+/// bound), the mutation in the first.
+#[cfg(feature = "wgpu")]
+pub fn assert_half_sums_in_f32_in_forms(
+    case: &str,
+    forms: &[crate::backend::Knobs],
+    run: impl Fn(burn::tensor::FloatDType, bool) -> Vec<TensorData>,
+) {
     use crate::backend::{Knobs, with_each_knobs};
     use burn::tensor::FloatDType;
     let exact = run(FloatDType::F32, false);
@@ -511,19 +529,23 @@ pub fn assert_half_sums_in_f32(
     let composed = errors(run(FloatDType::F16, false));
     let own_type = Knobs {
         half_sums_in_f32: false,
-        ..Knobs::default()
+        ..forms[0]
     };
-    let [kernels, own_type] = with_each_knobs([Knobs::default(), own_type], || {
-        errors(run(FloatDType::F16, true))
-    });
-    eprintln!("{case}: f16 errors {kernels:?}, composed {composed:?}, own-type sums {own_type:?}");
-    for (index, error) in kernels.iter().enumerate() {
-        assert!(
-            *error <= HALF_SUMS_BOUND,
-            "{case}: result {index} in f16 is {error:e} of its scale from f32 (composed: \
-             {:e}), past {HALF_SUMS_BOUND:e}",
-            composed[index]
+    let [own_type] = with_each_knobs([own_type], || errors(run(FloatDType::F16, true)));
+    for knobs in forms {
+        let [kernels] = with_each_knobs([*knobs], || errors(run(FloatDType::F16, true)));
+        eprintln!(
+            "{case}, {knobs:?}: f16 errors {kernels:?}, composed {composed:?}, own-type sums \
+             {own_type:?}"
         );
+        for (index, error) in kernels.iter().enumerate() {
+            assert!(
+                *error <= HALF_SUMS_BOUND,
+                "{case}, {knobs:?}: result {index} in f16 is {error:e} of its scale from f32 \
+                 (composed: {:e}), past {HALF_SUMS_BOUND:e}",
+                composed[index]
+            );
+        }
     }
     assert!(
         own_type.iter().any(|error| *error > HALF_SUMS_BOUND),

@@ -84,6 +84,17 @@ pub(crate) enum ProjectionPath {
     Matmul,
 }
 
+/// How the gated table's kernels (HC's, frac-connections') read `W [w, C]`: each unit its
+/// entries `W[j, ·]` straight from global memory, consecutive units `C` words apart (a warp's
+/// load spans `C` cache lines), or staged: each step of the row's loop, the cube first copies
+/// the step's `threads × C` block of `W` into shared memory, the units reading consecutive
+/// words, then each unit reads its entries there (`C | 1` apart, so in distinct banks).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum GatedWeights {
+    Direct,
+    Staged,
+}
+
 /// The forms of the tiled kernels that a GPU measurement compares, each with an environment
 /// variable, read once per process (a value out of range leaves the default):
 /// - `row_group`, `BURN_CONNECTIVITY_ROW_GROUP`: units per row of the tiled row kernels, a power
@@ -94,7 +105,14 @@ pub(crate) enum ProjectionPath {
 ///   different GPUs) or the kernel's rows per step, a power of two from 1 (the kernel before the
 ///   steps) to 16 (default [`PRODUCT_ROWS_PER_STEP`]);
 /// - `table_projection`, `BURN_CONNECTIVITY_TABLE_PROJECTION`: `matmul` or `tiles` (default),
-///   for the normalised table's products with `Φ` (mHC's, V4's, mHC-lite's).
+///   for the normalised table's products with `Φ` (mHC's, V4's, mHC-lite's);
+/// - `gated_weights`, `BURN_CONNECTIVITY_GATED_WEIGHTS`: `staged` or `direct` (default), for
+///   the gated table's reads of `W`;
+/// - `gated_rows`, `BURN_CONNECTIVITY_GATED_ROWS`: rows per cube of the gated table's kernels,
+///   each entry's weights read once for all of them, a power of two from 1 (default) to 8.
+///
+///   The gated defaults are the kernels the fifth lease measured; the other forms were not yet
+///   measured on a GPU.
 ///
 /// One more, `half_sums_in_f32` (see [`float_types`]), has no variable: only the tests turn it
 /// off, the mutation that their half-precision checks must tell apart. The tests run the
@@ -104,6 +122,8 @@ pub(crate) struct Knobs {
     pub row_group: usize,
     pub weights_product: ProductPath,
     pub table_projection: ProjectionPath,
+    pub gated_weights: GatedWeights,
+    pub gated_rows: usize,
     pub half_sums_in_f32: bool,
 }
 
@@ -115,6 +135,8 @@ impl Default for Knobs {
                 rows_per_step: PRODUCT_ROWS_PER_STEP,
             },
             table_projection: ProjectionPath::Tiles,
+            gated_weights: GatedWeights::Direct,
+            gated_rows: 1,
             half_sums_in_f32: true,
         }
     }
@@ -145,10 +167,21 @@ impl Knobs {
             "matmul" => ProjectionPath::Matmul,
             _ => defaults.table_projection,
         };
+        let gated_weights = match read("BURN_CONNECTIVITY_GATED_WEIGHTS").as_str() {
+            "staged" => GatedWeights::Staged,
+            _ => defaults.gated_weights,
+        };
+        let gated_rows = read("BURN_CONNECTIVITY_GATED_ROWS")
+            .parse::<usize>()
+            .ok()
+            .filter(|rows| rows.is_power_of_two() && *rows <= 8)
+            .unwrap_or(defaults.gated_rows);
         Self {
             row_group,
             weights_product,
             table_projection,
+            gated_weights,
+            gated_rows,
             ..defaults
         }
     }

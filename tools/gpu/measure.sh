@@ -34,9 +34,16 @@
 #                   with its weights (BURN_CONNECTIVITY_TABLE_PROJECTION=matmul: forward xΦ,
 #                   backward (s δ)Φᵀ), then with the weights' gradient through the matmul too
 #   tables-matmul   the train step of mHC and V4 on CUDA with both of those matmuls
+#   profile-gated   the profile of HC with each form of its gated table's kernels in
+#                   $GATED_FORMS (default "direct:4 staged:4 staged:1"), WEIGHTS:ROWS: the
+#                   weights read directly or staged in shared memory
+#                   (BURN_CONNECTIVITY_GATED_WEIGHTS), ROWS rows per cube
+#                   (BURN_CONNECTIVITY_GATED_ROWS); cuda-profile has the default, direct:1
+#   gated-train     the train step of HC on CUDA in the form $GATED_FORM (default staged:4)
 #   ncu-tables      Nsight Compute's throughput, occupancy, launch and memory sections for the
 #                   first forward, backward and weights' product of mHC's table, then HC's
-#                   gated forward and backward (where ncu exists)
+#                   gated forward and backward, as measured (direct:1) and staged:4 (where
+#                   ncu exists)
 #   conformance     the golden vectors on CUDA in f64 (`--float f64`: f32 matrix products run
 #                   in TF32 there, which the f32 tolerances do not allow; each file's checks as
 #                   it finishes)
@@ -188,6 +195,15 @@ with_env() {
     RUN=("${saved[@]}")
 }
 
+# gated_form WEIGHTS:ROWS CMD...: CMD with HC's gated table kernels in that form (see the
+# header's profile-gated).
+gated_form() {
+    local form=$1
+    shift
+    with_env BURN_CONNECTIVITY_GATED_WEIGHTS="${form%%:*}" \
+        with_env BURN_CONNECTIVITY_GATED_ROWS="${form#*:}" "$@"
+}
+
 TARGETS=hacn,ancre,dwa,hc,mhc
 NEW=attnres,block_attnres,mhc_v4,laurel,mhc_lite,mudd
 bench() { # bench LIMIT DEVICE PASS VARIANTS
@@ -269,6 +285,12 @@ run_stage() {
     tables-matmul)
         with_env BURN_CONNECTIVITY_TABLE_PROJECTION=matmul \
             with_env BURN_CONNECTIVITY_WEIGHTS_PRODUCT=matmul bench 150 cuda train-step mhc,mhc_v4 ;;
+    profile-gated)
+        for form in ${GATED_FORMS:-direct:4 staged:4 staged:1}; do
+            echo "## gated table $form" >>"$OUT/profile.log"
+            gated_form "$form" profile hc
+        done ;;
+    gated-train) gated_form "${GATED_FORM:-staged:4}" bench 150 cuda train-step hc ;;
     ncu-tables)
         # Why mHC's table kernels take 3-4x the estimate of BENCHMARKS.md: throughput of the SMs
         # and memory, occupancy and launch shape of the first forward, backward and weights'
@@ -286,16 +308,23 @@ run_stage() {
             # Then HC's gated table: its W [w, 5] read at stride 5 by consecutive units would
             # cost about 25 L1 wavefronts a warp per step where a coalesced read costs 5
             # (BENCHMARKS.md, "HC's gated table"): the tables' sectors per request say.
+            # `hc+` is HC with those weights staged in shared memory for 4 rows per cube.
             for case in mhc:'[Nn]ormalised_?[Ff]orward' mhc:'[Nn]ormalised_?[Bb]ackward' \
-                mhc:'[Ww]eights_?[Pp]roduct' hc:'[Gg]ated_?[Ff]orward' hc:'[Gg]ated_?[Bb]ackward'; do
+                mhc:'[Ww]eights_?[Pp]roduct' hc:'[Gg]ated_?[Ff]orward' hc:'[Gg]ated_?[Bb]ackward' \
+                hc+:'[Gg]ated_?[Ff]orward' hc+:'[Gg]ated_?[Bb]ackward'; do
                 kernel=${case#*:}
-                (cd /tmp/ncu && step 60 "$ncu" --target-processes all --kernel-name "regex:$kernel" \
+                local variant=${case%%:*} weights=direct rows=1
+                [[ $variant == hc+ ]] && variant=hc weights=staged rows=4
+                echo "## ncu $variant $kernel, gated table $weights:$rows" >>"$OUT/profile.log"
+                (cd /tmp/ncu && step 60 env BURN_CONNECTIVITY_GATED_WEIGHTS=$weights \
+                    BURN_CONNECTIVITY_GATED_ROWS=$rows \
+                    "$ncu" --target-processes all --kernel-name "regex:$kernel" \
                     --launch-count 1 --clock-control none --cache-control none \
                     --section SpeedOfLight --section Occupancy \
                     --section LaunchStats --section MemoryWorkloadAnalysis \
                     --section MemoryWorkloadAnalysis_Tables \
                     "${keep[@]}" "$OLDPWD/$BIN/bench_connectivity" --device cuda --only model \
-                    --runs 1 --warmup 0 --passes train-step --variants "${case%%:*}") \
+                    --runs 1 --warmup 0 --passes train-step --variants "$variant") \
                     >>"$OUT/profile.log" 2>&1
             done
             grep -aE 'Duration|Achieved Occupancy|Compute \(SM\) Throughput|Memory Throughput|==ERROR==' \

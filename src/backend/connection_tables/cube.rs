@@ -10,8 +10,8 @@ use cubecl::{CubeCount, CubeDim};
 
 use super::{ConnectionTableBackend, normalised_columns};
 use crate::backend::cube_launch::{
-    Cube, ProjectionPath, RowTiles, empty, float_types, knobs, per_element, per_item, threads_for,
-    weights_product,
+    Cube, GatedWeights, Knobs, ProjectionPath, RowTiles, empty, float_types, knobs, per_element,
+    per_item, threads_for, weights_product,
 };
 use crate::backend::kernel_constant;
 use kernels::{
@@ -61,8 +61,13 @@ impl ConnectionTableBackend for CubeBackend {
         let units = mixing_static.meta.shape()[0];
         let table = empty(&rows, Shape::new([count / units, columns + 1, units]));
         let projection = empty(&rows, Shape::new([count, columns + 2]));
-        let threads = threads_for(&rows, columns + 2, MOST_THREADS);
-        let (launch_cubes, dim) = per_item(&rows, count, threads);
+        let Knobs {
+            gated_weights,
+            gated_rows,
+            ..
+        } = knobs();
+        let threads = threads_for(&rows, gated_rows * (columns + 2), MOST_THREADS);
+        let (launch_cubes, dim) = per_item(&rows, count.div_ceil(gated_rows), threads);
         gated_forward_kernel::launch(
             &rows.client,
             launch_cubes,
@@ -80,7 +85,9 @@ impl ConnectionTableBackend for CubeBackend {
             columns,
             units,
             threads,
+            gated_rows,
             tanh,
+            gated_weights == GatedWeights::Staged,
             kernel_constant(numerator),
             kernel_constant(offset),
             kernel_constant(floor),
@@ -133,8 +140,19 @@ impl ConnectionTableBackend for CubeBackend {
             &rows,
             Shape::new([count / units, input_views.max(1), units]),
         );
-        let threads = threads_for(&rows, columns + 2, MOST_THREADS);
-        let (launch_cubes, dim) = per_item(&rows, count, threads);
+        let Knobs {
+            gated_weights,
+            gated_rows,
+            ..
+        } = knobs();
+        // Shared memory: the block input's products, `gated_rows · input_views` a unit, and
+        // with staged weights `columns | 1` more.
+        let threads = threads_for(
+            &rows,
+            gated_rows * input_views.max(1) + (columns | 1),
+            MOST_THREADS,
+        );
+        let (launch_cubes, dim) = per_item(&rows, count.div_ceil(gated_rows), threads);
         gated_backward_kernel::launch(
             &rows.client,
             launch_cubes,
@@ -157,9 +175,11 @@ impl ConnectionTableBackend for CubeBackend {
             columns,
             units,
             threads,
+            gated_rows,
             tanh,
             with_previous_rows,
             input_views,
+            gated_weights == GatedWeights::Staged,
             kernel_constant(numerator),
             kernel_constant(offset),
             kernel_constant(floor),
@@ -434,8 +454,8 @@ mod kernels {
 
     use crate::backend::cube_launch::RowTiles;
     use crate::backend::cube_launch::kernels::{
-        constant, cube_total, row_root, row_scale, row_slope, row_squares, row_view_products,
-        sum_over_cube, tiled_projection, tiled_row_gradient,
+        constant, cube_total, load_weight_tile, row_root, row_scale, row_slope, row_squares,
+        row_view_products, sum_over_cube, tiled_projection, tiled_row_gradient,
     };
     use crate::backend::sinkhorn::cube::kernels::{sinkhorn_backward, sinkhorn_forward};
 
@@ -444,8 +464,35 @@ mod kernels {
         E::new(1.0) / (E::new(1.0) + (E::new(0.0) - z).exp())
     }
 
-    /// The row's `x W̃` for the gated form's `columns + 1` projections, then its sum of squares,
-    /// summed over the cube into the first `columns + 2` entries of `shared`.
+    /// `W[j, ·]` into `weights`: from the step's block in `tile` (entry `unit`, `padded` apart)
+    /// with `staged`, else from global memory.
+    #[cube]
+    #[allow(clippy::too_many_arguments)]
+    fn entry_weights<E: Float, A: Float>(
+        mixing_weights: &Tensor<E>,
+        tile: &Shared<[A]>,
+        j: usize,
+        unit: usize,
+        weights: &mut Array<A>,
+        #[comptime] columns: usize,
+        #[comptime] padded: usize,
+        #[comptime] staged: bool,
+    ) {
+        #[unroll]
+        for c in 0..columns {
+            if comptime!(staged) {
+                weights[c] = tile[unit * padded + c];
+            } else {
+                weights[c] = A::cast_from(mixing_weights[j * columns + c]);
+            }
+        }
+    }
+
+    /// The `x W̃` of the cube's rows `first .. first + rows_per_cube` for the gated form's
+    /// `columns + 1` projections, then their sums of squares, summed over the cube: row `r`'s
+    /// `columns + 2` totals end at `shared[r · (columns + 2)]`. Each step reads an entry's
+    /// weights once for all of the cube's rows; with `staged`, the step's block of `W` passes
+    /// through `shared` first (see `GatedWeights`).
     #[cube]
     #[allow(clippy::too_many_arguments)]
     fn gated_projection<E: Float, A: Float>(
@@ -453,34 +500,79 @@ mod kernels {
         mixing_weights: &Tensor<E>,
         depth_weights: &Tensor<E>,
         gain: &Tensor<E>,
-        row: usize,
+        first: usize,
         shared: &mut Shared<[A]>,
         #[comptime] columns: usize,
         #[comptime] threads: usize,
+        #[comptime] rows_per_cube: usize,
+        #[comptime] staged: bool,
     ) {
+        let count = rows.shape(0);
         let width = rows.shape(1);
         let unit = UNIT_POS as usize;
         let slots = comptime!(columns + 2);
-        let mut partial = Array::<A>::new(slots);
-        for c in 0..slots {
-            partial[c] = A::new(0.0);
+        let per_unit = comptime!(rows_per_cube * (columns + 2));
+        let padded = comptime!(columns | 1);
+        let mut partial = Array::<A>::new(per_unit);
+        #[unroll]
+        for k in 0..per_unit {
+            partial[k] = A::new(0.0);
         }
-        let mut j = unit;
-        while j < width {
-            let x = A::cast_from(rows[row * width + j]);
-            let scaled = x * (A::new(1.0) + A::cast_from(gain[j]));
-            for c in 0..columns {
-                partial[c] += scaled * A::cast_from(mixing_weights[j * columns + c]);
+        let mut weights = Array::<A>::new(columns);
+        // The same bound in every unit: each takes part in every sync.
+        let mut start = 0usize;
+        while start < width {
+            if comptime!(staged) {
+                load_weight_tile::<E, A>(
+                    mixing_weights,
+                    start,
+                    shared,
+                    columns,
+                    threads,
+                    padded,
+                    true,
+                );
+                sync_cube();
             }
-            partial[columns] += scaled * A::cast_from(depth_weights[j]);
-            partial[comptime!(columns + 1)] += x * x;
-            j += threads;
+            let j = start + unit;
+            if j < width {
+                entry_weights::<E, A>(
+                    mixing_weights,
+                    &*shared,
+                    j,
+                    unit,
+                    &mut weights,
+                    columns,
+                    padded,
+                    staged,
+                );
+                let gained = A::new(1.0) + A::cast_from(gain[j]);
+                let depth = A::cast_from(depth_weights[j]);
+                #[unroll]
+                for r in 0..rows_per_cube {
+                    if first + r < count {
+                        let x = A::cast_from(rows[(first + r) * width + j]);
+                        let scaled = x * gained;
+                        #[unroll]
+                        for c in 0..columns {
+                            partial[r * slots + c] += scaled * weights[c];
+                        }
+                        partial[r * slots + columns] += scaled * depth;
+                        partial[r * slots + columns + 1] += x * x;
+                    }
+                }
+            }
+            if comptime!(staged) {
+                sync_cube();
+            }
+            start += threads;
         }
-        for c in 0..slots {
-            shared[unit * slots + c] = partial[c];
+        #[unroll]
+        for k in 0..per_unit {
+            shared[unit * per_unit + k] = partial[k];
         }
         sync_cube();
-        sum_over_cube::<A>(shared, slots);
+        sum_over_cube::<A>(shared, per_unit);
     }
 
     /// `act(p)`: `tanh` or the identity.
@@ -503,6 +595,8 @@ mod kernels {
         slope
     }
 
+    /// One cube per `rows_per_cube` consecutive rows (see `gated_projection`), then per row
+    /// its projection and norm kept for the backward and its entries of the table.
     #[cube(launch)]
     #[allow(clippy::too_many_arguments)]
     pub(super) fn gated_forward_kernel<E: Float, A: Float>(
@@ -519,95 +613,128 @@ mod kernels {
         #[comptime] columns: usize,
         #[comptime] units: usize,
         #[comptime] threads: usize,
+        #[comptime] rows_per_cube: usize,
         #[comptime] tanh: bool,
+        #[comptime] staged: bool,
         #[comptime] numerator_bits: u32,
         #[comptime] offset_bits: u32,
         #[comptime] floor_bits: u32,
         #[define(E, A)] _dtypes: [ElemType; 2],
     ) {
-        let row = CUBE_POS;
-        if row >= rows.shape(0) {
+        let count = rows.shape(0);
+        let first = CUBE_POS * rows_per_cube;
+        if first >= count {
             terminate!();
         }
-        let mut shared = Shared::<[A]>::new_slice(comptime!(threads * (columns + 2)));
+        let slots = comptime!(columns + 2);
+        // The partial sums, and with `staged` first the weights' blocks (`columns | 1` apart).
+        let mut shared =
+            Shared::<[A]>::new_slice(comptime!(threads * rows_per_cube * (columns + 2)));
         gated_projection::<E, A>(
             rows,
             mixing_weights,
             depth_weights,
             gain,
-            row,
+            first,
             &mut shared,
             columns,
             threads,
+            rows_per_cube,
+            staged,
         );
-        let norm = shared[comptime!(columns + 1)].sqrt();
-        // In the summing type, as the norm: f16 rounds the floor (1e-12) to 0.
-        let scale = E::cast_from(row_scale::<A>(
-            norm,
-            numerator_bits,
-            offset_bits,
-            floor_bits,
-        ));
-        // `p` and `‖x‖`, kept for the backward, which then projects nothing again (the norm,
-        // not its square: in f16 a row of 4096 entries of RMS 4 has ‖x‖² past f16's largest).
-        let mut c = UNIT_POS as usize;
-        while c < comptime!(columns + 2) {
-            let mut value = shared[c];
-            if c == comptime!(columns + 1) {
-                value = norm;
+        for r in 0..rows_per_cube {
+            let row = first + r;
+            if row < count {
+                let at = r * slots;
+                let norm = shared[at + columns + 1].sqrt();
+                // In the summing type, as the norm: f16 rounds the floor (1e-12) to 0.
+                let scale = E::cast_from(row_scale::<A>(
+                    norm,
+                    numerator_bits,
+                    offset_bits,
+                    floor_bits,
+                ));
+                // `p` and `‖x‖`, kept for the backward, which then projects nothing again (the
+                // norm, not its square: in f16 a row of 4096 entries of RMS 4 has ‖x‖² past
+                // f16's largest).
+                let mut c = UNIT_POS as usize;
+                while c < slots {
+                    let mut value = shared[at + c];
+                    if c == comptime!(columns + 1) {
+                        value = norm;
+                    }
+                    projection[row * slots + c] = E::cast_from(value);
+                    c += threads;
+                }
+                let t = row / units;
+                let q = row % units;
+                let mut c = UNIT_POS as usize;
+                while c <= columns {
+                    let value = activation::<E>(E::cast_from(shared[at + c]) * scale, tanh);
+                    let entry = if c < columns {
+                        mixing_scale[0] * value + mixing_static[q * columns + c]
+                    } else {
+                        depth_scale[0] * value + depth_static[q]
+                    };
+                    table[(t * comptime!(columns + 1) + c) * units + q] = entry;
+                    c += threads;
+                }
             }
-            projection[row * comptime!(columns + 2) + c] = E::cast_from(value);
-            c += threads;
-        }
-        let t = row / units;
-        let q = row % units;
-        let mut c = UNIT_POS as usize;
-        while c <= columns {
-            let value = activation::<E>(E::cast_from(shared[c]) * scale, tanh);
-            let entry = if c < columns {
-                mixing_scale[0] * value + mixing_static[q * columns + c]
-            } else {
-                depth_scale[0] * value + depth_static[q]
-            };
-            table[(t * comptime!(columns + 1) + c) * units + q] = entry;
-            c += threads;
         }
     }
 
-    /// `⟨∂u[t, v], x_r⟩` for the `views` views of the block input, summed over the cube into
-    /// the first `views` entries of `inner` (gated rows: one unit of token `t` each).
+    /// `⟨∂u[t, v], x_r⟩` for the `views` views of the block input and each of the cube's rows
+    /// `r` (gated rows: one unit of token `t` each), summed over the cube: row `r`'s end at
+    /// `inner[r · views]`.
     #[cube]
     #[allow(clippy::too_many_arguments)]
     fn view_products<E: Float, A: Float>(
         rows: &Tensor<E>,
         input_grad: &Tensor<E>,
-        row: usize,
-        t: usize,
-        width: usize,
+        first: usize,
         inner: &mut Shared<[A]>,
+        #[comptime] units: usize,
         #[comptime] views: usize,
         #[comptime] threads: usize,
+        #[comptime] rows_per_cube: usize,
     ) {
+        let count = rows.shape(0);
+        let width = rows.shape(1);
         let unit = UNIT_POS as usize;
-        let mut partial = Array::<A>::new(views);
-        for v in 0..views {
-            partial[v] = A::new(0.0);
+        let per_unit = comptime!(rows_per_cube * views);
+        let mut partial = Array::<A>::new(per_unit);
+        #[unroll]
+        for k in 0..per_unit {
+            partial[k] = A::new(0.0);
         }
         let mut j = unit;
         while j < width {
-            let x = A::cast_from(rows[row * width + j]);
-            for v in 0..views {
-                partial[v] += x * A::cast_from(input_grad[(t * views + v) * width + j]);
+            #[unroll]
+            for r in 0..rows_per_cube {
+                let row = first + r;
+                if row < count {
+                    let t = row / units;
+                    let x = A::cast_from(rows[row * width + j]);
+                    #[unroll]
+                    for v in 0..views {
+                        partial[r * views + v] +=
+                            x * A::cast_from(input_grad[(t * views + v) * width + j]);
+                    }
+                }
             }
             j += threads;
         }
-        for v in 0..views {
-            inner[unit * views + v] = partial[v];
+        #[unroll]
+        for k in 0..per_unit {
+            inner[unit * per_unit + k] = partial[k];
         }
         sync_cube();
-        sum_over_cube::<A>(inner, views);
+        sum_over_cube::<A>(inner, per_unit);
     }
 
+    /// The forward's cubes (see `gated_forward_kernel`): the block input's products, then per
+    /// row `δ` and the sums the finishing kernel adds up, then `∂x` of the cube's rows in one
+    /// pass that reads each entry's weights once for all of them.
     #[cube(launch)]
     #[allow(clippy::too_many_arguments)]
     pub(super) fn gated_backward_kernel<E: Float, A: Float>(
@@ -629,96 +756,192 @@ mod kernels {
         #[comptime] columns: usize,
         #[comptime] units: usize,
         #[comptime] threads: usize,
+        #[comptime] rows_per_cube: usize,
         #[comptime] tanh: bool,
         #[comptime] with_previous_rows: bool,
         #[comptime] views: usize,
+        #[comptime] staged: bool,
         #[comptime] numerator_bits: u32,
         #[comptime] offset_bits: u32,
         #[comptime] floor_bits: u32,
         #[define(E, A)] _dtypes: [ElemType; 2],
     ) {
-        let row = CUBE_POS;
-        if row >= rows.shape(0) {
+        let count = rows.shape(0);
+        let first = CUBE_POS * rows_per_cube;
+        if first >= count {
             terminate!();
         }
         let width = rows.shape(1);
         let unit = UNIT_POS as usize;
-        // The forward's `p` and `‖x‖`.
         let slots = comptime!(columns + 2);
-        let mut projected = Array::<E>::new(slots);
-        #[unroll]
-        for c in 0..slots {
-            projected[c] = projection[row * slots + c];
-        }
-        // The scale and its slope in the summing type, as in the forward.
-        let norm = A::cast_from(projected[comptime!(columns + 1)]);
-        let scale = row_scale::<A>(norm, numerator_bits, offset_bits, floor_bits);
-        let slope = E::cast_from(row_slope::<A>(norm, scale, offset_bits, floor_bits));
-        let scale = E::cast_from(scale);
-        let t = row / units;
-        let q = row % units;
+        let steps = comptime!(columns + 1);
+        let kept_views = comptime!(views.max(1));
         // The block input's part of the table's gradient, ⟨∂u_v, x_r⟩ (see `views`).
-        let mut inner = Shared::<[A]>::new_slice(comptime!(threads * views.max(1)));
+        let mut inner = Shared::<[A]>::new_slice(comptime!(threads * rows_per_cube * views.max(1)));
         if comptime!(views > 0) {
-            view_products::<E, A>(rows, input_grad, row, t, width, &mut inner, views, threads);
+            view_products::<E, A>(
+                rows,
+                input_grad,
+                first,
+                &mut inner,
+                units,
+                views,
+                threads,
+                rows_per_cube,
+            );
         }
-        // δ_c = g_c · m · act'(p_c), in every unit; the scalars' partial sums of g · act(p).
-        let mut delta = Array::<E>::new(comptime!(columns + 1));
-        let mut view_weights = Array::<E>::new(comptime!(views.max(1)));
-        let mut along = E::new(0.0);
-        let mut mixing_sum = E::new(0.0);
-        let mut depth_sum = E::new(0.0);
-        for c in 0..comptime!(columns + 1) {
-            let value = activation::<E>(projected[c] * scale, tanh);
-            let derivative = activation_slope::<E>(value, tanh);
-            let mut g = grad[(t * comptime!(columns + 1) + c) * units + q];
-            // (no view rows where `views` is 0)
-            if c < views {
-                g += E::cast_from(inner[c]);
-                view_weights[c] = mixing_scale[0] * value + mixing_static[q * columns + c];
-                if unit == 0 {
-                    view_grad[(t * views + c) * units + q] = g;
+        // Per row: δ_c = g_c · m · act'(p_c), the views' weights, the scale and
+        // `along = s'(‖x‖)/‖x‖ (p · δ)`, for the pass over the rows below.
+        // (Written at run-time indices here, then copied at fixed ones, so that the pass can
+        // keep its copies in registers.)
+        let mut step_at = Array::<A>::new(comptime!(rows_per_cube * (columns + 1)));
+        let mut view_weights_at = Array::<A>::new(comptime!(rows_per_cube * views.max(1)));
+        let mut scales_at = Array::<A>::new(rows_per_cube);
+        let mut alongs_at = Array::<A>::new(rows_per_cube);
+        for r in 0..rows_per_cube {
+            let live = first + r < count;
+            // A row past the last reads the cube's first and writes nothing.
+            let mut row = first;
+            if live {
+                row = first + r;
+            }
+            // The forward's `p` and `‖x‖`.
+            let mut projected = Array::<E>::new(slots);
+            #[unroll]
+            for c in 0..slots {
+                projected[c] = projection[row * slots + c];
+            }
+            // The scale and its slope in the summing type, as in the forward.
+            let norm = A::cast_from(projected[comptime!(columns + 1)]);
+            let scale = row_scale::<A>(norm, numerator_bits, offset_bits, floor_bits);
+            let slope = E::cast_from(row_slope::<A>(norm, scale, offset_bits, floor_bits));
+            scales_at[r] = scale;
+            let scale = E::cast_from(scale);
+            let t = row / units;
+            let q = row % units;
+            // The scalars' partial sums of g · act(p).
+            let mut along = E::new(0.0);
+            let mut mixing_sum = E::new(0.0);
+            let mut depth_sum = E::new(0.0);
+            for v in 0..kept_views {
+                view_weights_at[r * kept_views + v] = A::new(0.0);
+            }
+            for c in 0..steps {
+                let value = activation::<E>(projected[c] * scale, tanh);
+                let derivative = activation_slope::<E>(value, tanh);
+                let mut g = grad[(t * steps + c) * units + q];
+                // (no view rows where `views` is 0)
+                if c < views {
+                    g += E::cast_from(inner[r * views + c]);
+                    view_weights_at[r * kept_views + c] =
+                        A::cast_from(mixing_scale[0] * value + mixing_static[q * columns + c]);
+                    if live && unit == 0 {
+                        view_grad[(t * views + c) * units + q] = g;
+                    }
+                }
+                let mut factor = mixing_scale[0];
+                if c < columns {
+                    mixing_sum += g * value;
+                } else {
+                    factor = depth_scale[0];
+                    depth_sum += g * value;
+                }
+                let d = g * factor * derivative;
+                step_at[r * steps + c] = A::cast_from(d);
+                along += projected[c] * d;
+                if live && unit == 0 {
+                    scaled_grad[row * steps + c] = d * scale;
                 }
             }
-            let mut factor = mixing_scale[0];
-            if c < columns {
-                mixing_sum += g * value;
-            } else {
-                factor = depth_scale[0];
-                depth_sum += g * value;
+            alongs_at[r] = A::cast_from(along * slope);
+            if live && unit == 0 {
+                partials[row * 2] = mixing_sum;
+                partials[row * 2 + 1] = depth_sum;
             }
-            let d = g * factor * derivative;
-            delta[c] = d;
-            along += projected[c] * d;
         }
-        along *= slope;
-        if unit == 0 {
-            partials[row * 2] = mixing_sum;
-            partials[row * 2 + 1] = depth_sum;
+        let mut step = Array::<A>::new(comptime!(rows_per_cube * (columns + 1)));
+        #[unroll]
+        for k in 0..comptime!(rows_per_cube * (columns + 1)) {
+            step[k] = step_at[k];
         }
-        let mut c = unit;
-        while c <= columns {
-            scaled_grad[row * comptime!(columns + 1) + c] = delta[c] * scale;
-            c += threads;
+        let mut view_weights = Array::<A>::new(comptime!(rows_per_cube * views.max(1)));
+        #[unroll]
+        for k in 0..comptime!(rows_per_cube * views.max(1)) {
+            view_weights[k] = view_weights_at[k];
         }
-        let mut j = unit;
-        while j < width {
-            let mut total = depth_weights[j] * delta[columns];
-            for k in 0..columns {
-                total += mixing_weights[j * columns + k] * delta[k];
+        let mut scales = Array::<A>::new(rows_per_cube);
+        let mut alongs = Array::<A>::new(rows_per_cube);
+        #[unroll]
+        for r in 0..rows_per_cube {
+            scales[r] = scales_at[r];
+            alongs[r] = alongs_at[r];
+        }
+        // ∂x[r, j] = s (1 + γ_j) (W̃ δ)_j + along · x[r, j], plus the earlier gradient and the
+        // views' `Σ_v A_in[v] ∂u_v[j]`. The same bound in every unit: each takes part in every
+        // sync.
+        let padded = comptime!(columns | 1);
+        let mut tile =
+            Shared::<[A]>::new_slice(comptime!(if staged { threads * padded } else { 1 }));
+        let mut weights = Array::<A>::new(columns);
+        let mut start = 0usize;
+        while start < width {
+            if comptime!(staged) {
+                load_weight_tile::<E, A>(
+                    mixing_weights,
+                    start,
+                    &mut tile,
+                    columns,
+                    threads,
+                    padded,
+                    true,
+                );
+                sync_cube();
             }
-            let at = row * width + j;
-            let mut value = scale * (E::new(1.0) + gain[j]) * total + along * rows[at];
-            if comptime!(with_previous_rows) {
-                value += previous_rows[at];
-            }
-            if comptime!(views > 0) {
-                for v in 0..views {
-                    value += view_weights[v] * input_grad[(t * views + v) * width + j];
+            let j = start + unit;
+            if j < width {
+                entry_weights::<E, A>(
+                    mixing_weights,
+                    &tile,
+                    j,
+                    unit,
+                    &mut weights,
+                    columns,
+                    padded,
+                    staged,
+                );
+                let gained = A::new(1.0) + A::cast_from(gain[j]);
+                let depth = A::cast_from(depth_weights[j]);
+                #[unroll]
+                for r in 0..rows_per_cube {
+                    let row = first + r;
+                    if row < count {
+                        let mut total = depth * step[r * steps + columns];
+                        #[unroll]
+                        for c in 0..columns {
+                            total += weights[c] * step[r * steps + c];
+                        }
+                        let at = row * width + j;
+                        let mut value =
+                            scales[r] * gained * total + alongs[r] * A::cast_from(rows[at]);
+                        if comptime!(with_previous_rows) {
+                            value += A::cast_from(previous_rows[at]);
+                        }
+                        if comptime!(views > 0) {
+                            let t = row / units;
+                            #[unroll]
+                            for v in 0..views {
+                                value += view_weights[r * kept_views + v]
+                                    * A::cast_from(input_grad[(t * views + v) * width + j]);
+                            }
+                        }
+                        grad_rows[at] = E::cast_from(value);
+                    }
                 }
             }
-            grad_rows[at] = value;
-            j += threads;
+            if comptime!(staged) {
+                sync_cube();
+            }
+            start += threads;
         }
     }
 

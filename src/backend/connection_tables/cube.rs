@@ -464,20 +464,40 @@ mod kernels {
         E::new(1.0) / (E::new(1.0) + (E::new(0.0) - z).exp())
     }
 
-    /// `W[j, ·]` into `weights`: from the step's block in `tile` (entry `unit`, `padded` apart)
-    /// with `staged`, else from global memory.
+    /// With `staged`, the step's block of `W` from entry `start` on into `tile`, `columns | 1`
+    /// apart (every unit takes part; see `GatedWeights`).
+    #[cube]
+    fn stage_weights<E: Float, A: Float>(
+        mixing_weights: &Tensor<E>,
+        start: usize,
+        tile: &mut Shared<[A]>,
+        #[comptime] columns: usize,
+        #[comptime] threads: usize,
+        #[comptime] staged: bool,
+    ) {
+        if comptime!(staged) {
+            let padded = comptime!(columns | 1);
+            load_weight_tile::<E, A>(mixing_weights, start, tile, columns, threads, padded, true);
+            sync_cube();
+        }
+    }
+
+    /// Entry `j`'s weights: `W[j, ·]` into `weights` (from the step's block in `tile`, entry
+    /// `unit`, with `staged`; else from global memory), then `(1 + γ_j, v_j)`.
     #[cube]
     #[allow(clippy::too_many_arguments)]
     fn entry_weights<E: Float, A: Float>(
         mixing_weights: &Tensor<E>,
+        depth_weights: &Tensor<E>,
+        gain: &Tensor<E>,
         tile: &Shared<[A]>,
         j: usize,
         unit: usize,
         weights: &mut Array<A>,
         #[comptime] columns: usize,
-        #[comptime] padded: usize,
         #[comptime] staged: bool,
-    ) {
+    ) -> (A, A) {
+        let padded = comptime!(columns | 1);
         #[unroll]
         for c in 0..columns {
             if comptime!(staged) {
@@ -486,6 +506,10 @@ mod kernels {
                 weights[c] = A::cast_from(mixing_weights[j * columns + c]);
             }
         }
+        (
+            A::new(1.0) + A::cast_from(gain[j]),
+            A::cast_from(depth_weights[j]),
+        )
     }
 
     /// The `x W̃` of the cube's rows `first .. first + rows_per_cube` for the gated form's
@@ -512,7 +536,6 @@ mod kernels {
         let unit = UNIT_POS as usize;
         let slots = comptime!(columns + 2);
         let per_unit = comptime!(rows_per_cube * (columns + 2));
-        let padded = comptime!(columns | 1);
         let mut partial = Array::<A>::new(per_unit);
         #[unroll]
         for k in 0..per_unit {
@@ -522,32 +545,20 @@ mod kernels {
         // The same bound in every unit: each takes part in every sync.
         let mut start = 0usize;
         while start < width {
-            if comptime!(staged) {
-                load_weight_tile::<E, A>(
-                    mixing_weights,
-                    start,
-                    shared,
-                    columns,
-                    threads,
-                    padded,
-                    true,
-                );
-                sync_cube();
-            }
+            stage_weights::<E, A>(mixing_weights, start, shared, columns, threads, staged);
             let j = start + unit;
             if j < width {
-                entry_weights::<E, A>(
+                let (gained, depth) = entry_weights::<E, A>(
                     mixing_weights,
+                    depth_weights,
+                    gain,
                     &*shared,
                     j,
                     unit,
                     &mut weights,
                     columns,
-                    padded,
                     staged,
                 );
-                let gained = A::new(1.0) + A::cast_from(gain[j]);
-                let depth = A::cast_from(depth_weights[j]);
                 #[unroll]
                 for r in 0..rows_per_cube {
                     if first + r < count {
@@ -885,32 +896,20 @@ mod kernels {
         let mut weights = Array::<A>::new(columns);
         let mut start = 0usize;
         while start < width {
-            if comptime!(staged) {
-                load_weight_tile::<E, A>(
-                    mixing_weights,
-                    start,
-                    &mut tile,
-                    columns,
-                    threads,
-                    padded,
-                    true,
-                );
-                sync_cube();
-            }
+            stage_weights::<E, A>(mixing_weights, start, &mut tile, columns, threads, staged);
             let j = start + unit;
             if j < width {
-                entry_weights::<E, A>(
+                let (gained, depth) = entry_weights::<E, A>(
                     mixing_weights,
+                    depth_weights,
+                    gain,
                     &tile,
                     j,
                     unit,
                     &mut weights,
                     columns,
-                    padded,
                     staged,
                 );
-                let gained = A::new(1.0) + A::cast_from(gain[j]);
-                let depth = A::cast_from(depth_weights[j]);
                 #[unroll]
                 for r in 0..rows_per_cube {
                     let row = first + r;

@@ -145,7 +145,11 @@ impl Default for Knobs {
 impl Knobs {
     /// The defaults, with each variable that is set to a valid value in its place.
     fn from_env() -> Self {
-        let read = |name: &str| std::env::var(name).unwrap_or_default();
+        Self::from_variables(|name| std::env::var(name).unwrap_or_default())
+    }
+
+    /// [`Knobs::from_env`] with `read` giving each variable's value (empty where unset).
+    fn from_variables(read: impl Fn(&str) -> String) -> Self {
         let defaults = Self::default();
         let row_group = read("BURN_CONNECTIVITY_ROW_GROUP")
             .parse::<usize>()
@@ -987,5 +991,53 @@ pub(crate) mod kernels {
             total += A::cast_from(partials[c * columns + k]);
         }
         sums[k] = E::cast_from(total);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{GatedWeights, Knobs, ProductPath, ProjectionPath};
+
+    /// The variables `tools/gpu/measure.sh` sets reach the knobs, and values out of range leave
+    /// the defaults (a misread variable would have a lease time the default form twice).
+    #[test]
+    fn knobs_read_their_variables() {
+        let read = |variables: &[(&str, &str)]| {
+            Knobs::from_variables(|name| {
+                variables
+                    .iter()
+                    .find(|(variable, _)| *variable == name)
+                    .map_or_else(String::new, |(_, value)| value.to_string())
+            })
+        };
+        assert_eq!(read(&[]), Knobs::default());
+        let every = read(&[
+            ("BURN_CONNECTIVITY_ROW_GROUP", "16"),
+            ("BURN_CONNECTIVITY_WEIGHTS_PRODUCT", "matmul"),
+            ("BURN_CONNECTIVITY_TABLE_PROJECTION", "matmul"),
+            ("BURN_CONNECTIVITY_GATED_WEIGHTS", "staged"),
+            ("BURN_CONNECTIVITY_GATED_ROWS", "4"),
+        ]);
+        let expected = Knobs {
+            row_group: 16,
+            weights_product: ProductPath::Matmul,
+            table_projection: ProjectionPath::Matmul,
+            gated_weights: GatedWeights::Staged,
+            gated_rows: 4,
+            ..Knobs::default()
+        };
+        assert_eq!(every, expected);
+        assert_eq!(
+            read(&[("BURN_CONNECTIVITY_WEIGHTS_PRODUCT", "2")]).weights_product,
+            ProductPath::Kernel { rows_per_step: 2 }
+        );
+        let out_of_range = read(&[
+            ("BURN_CONNECTIVITY_ROW_GROUP", "1"),
+            ("BURN_CONNECTIVITY_WEIGHTS_PRODUCT", "3"),
+            ("BURN_CONNECTIVITY_TABLE_PROJECTION", "tile"),
+            ("BURN_CONNECTIVITY_GATED_WEIGHTS", "shared"),
+            ("BURN_CONNECTIVITY_GATED_ROWS", "16"),
+        ]);
+        assert_eq!(out_of_range, Knobs::default());
     }
 }

@@ -455,7 +455,7 @@ mod kernels {
     use crate::backend::cube_launch::RowTiles;
     use crate::backend::cube_launch::kernels::{
         constant, cube_total, load_weight_tile, row_root, row_scale, row_slope, row_squares,
-        row_view_products, sum_over_cube, tiled_projection, tiled_row_gradient,
+        row_view_products, sum_over_cube, tiled_projection, tiled_row_gradient, weight_at,
     };
     use crate::backend::sinkhorn::cube::kernels::{sinkhorn_backward, sinkhorn_forward};
 
@@ -503,7 +503,7 @@ mod kernels {
             if comptime!(staged) {
                 weights[c] = tile[unit * padded + c];
             } else {
-                weights[c] = A::cast_from(mixing_weights[j * columns + c]);
+                weights[c] = A::cast_from(weight_at::<E>(mixing_weights, j, c, columns, true));
             }
         }
         (

@@ -16,6 +16,10 @@
 # forward pass of six variants on CUDA, 105 s for their train step, over 170 s for every
 # variant on Vulkan):
 #   peer            PyTorch's residual, lucidrains' HC and mHC, model workload (about 15 s)
+#   encoder-peer    PyTorch's residual encoder, lucidrains' HC and mHC on each sublayer, the
+#                   encoder workload (12 transformer layers, attention included)
+#   encoder-train   the encoder workload's train step on CUDA, the targets' variants, each
+#                   wrapping burn-nn's layers per sublayer (a transformer's share of the cost)
 #   floors          PyTorch's times for the connection tables' products, norms and one pass
 #                   over the rows at HC's and mHC's shapes (tools/peer/kernel_floors.py): what
 #                   the crate's table kernels compare with (a few seconds)
@@ -206,9 +210,9 @@ gated_form() {
 
 TARGETS=hacn,ancre,dwa,hc,mhc
 NEW=attnres,block_attnres,mhc_v4,laurel,mhc_lite,mudd
-bench() { # bench LIMIT DEVICE PASS VARIANTS
-    step "$1" "${RUN[@]}" $BIN/bench_connectivity --device "$2" --only model --runs 5 \
-        --warmup 2 --passes "$3" --variants "$4" >>"$OUT/bench.jsonl" 2>>"$OUT/bench.log"
+bench() { # bench LIMIT DEVICE PASS VARIANTS, the workload $WORKLOAD (default model)
+    step "$1" "${RUN[@]}" $BIN/bench_connectivity --device "$2" --only "${WORKLOAD:-model}" \
+        --runs 5 --warmup 2 --passes "$3" --variants "$4" >>"$OUT/bench.jsonl" 2>>"$OUT/bench.log"
     grep -a 'x residual' "$OUT/bench.log" | tail -12
 }
 lm_runs() {
@@ -258,6 +262,10 @@ run_stage() {
     peer)
         step 40 python3 tools/peer/hyper_connections_peer.py --device cuda --workload model \
             --runs 7 --warmup 3 >>"$OUT/bench.jsonl" 2>>"$OUT/bench.log" ;;
+    encoder-peer)
+        step 60 python3 tools/peer/hyper_connections_peer.py --device cuda --workload encoder \
+            --runs 7 --warmup 3 >>"$OUT/bench.jsonl" 2>>"$OUT/bench.log" ;;
+    encoder-train) WORKLOAD=encoder bench 200 cuda train-step "$TARGETS" ;;
     floors)
         step 60 python3 tools/peer/kernel_floors.py --device cuda >>"$OUT/bench.jsonl" \
             2>>"$OUT/bench.log"

@@ -3,7 +3,7 @@
 
     pip install torch hyper-connections==0.4.11
     python3 tools/peer/hyper_connections_peer.py [--device cpu|cuda] [--runs 7] [--warmup 3]
-        [--workload stack|model] [--model-size full|reduced]
+        [--workload stack|model|encoder] [--model-size full|reduced]
 
 Blocks are pre-LN MLPs (LN -> Linear(d, 4d) -> GELU -> Linear(4d, d)) on [8, 128, 256] at depths
 12 and 24 (`stack`), or 12 of them on [8, 1024, 768] (`model`, GPT-2-small width; `--model-size
@@ -11,6 +11,11 @@ reduced`, the default on CPU, is [1, 32, 768]), f32; HC is
 dynamic with tanh and mHC uses 20 Sinkhorn iterations, both with n = 4 streams. `train_step` is
 forward + backward of the mean output (no optimiser update), like the Rust bench. Variants are
 timed round-robin; each number is the median of `--runs` runs.
+
+`encoder` is the model workload's shapes through 12 pre-norm transformer layers (12 heads,
+feed-forward 4d, GELU, no dropout, causal): the residual is PyTorch's `TransformerEncoderLayer`
+(`norm_first=True`), HC and mHC wrap each sublayer (LN -> causal attention, LN -> MLP) apart,
+as the Rust bench's `--only encoder --granularity sublayer` does.
 """
 
 import argparse
@@ -74,6 +79,65 @@ VARIANTS = {
     "mhc": lambda depth: StreamStack(depth, mc_get_init_and_expand_reduce_stream_functions),
 }
 
+HEADS = 12
+
+
+class CausalAttention(nn.Module):
+    """LN -> causal multi-head self-attention: a pre-norm layer's attention sublayer."""
+
+    def __init__(self, length):
+        super().__init__()
+        self.norm = nn.LayerNorm(WIDTH)
+        self.attention = nn.MultiheadAttention(WIDTH, HEADS, dropout=0.0, batch_first=True)
+        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(length))
+
+    def forward(self, x):
+        x = self.norm(x)
+        return self.attention(x, x, x, attn_mask=self.mask, is_causal=True, need_weights=False)[0]
+
+
+class ResidualEncoder(nn.Module):
+    def __init__(self, depth, length):
+        super().__init__()
+        self.layers = nn.ModuleList(
+            nn.TransformerEncoderLayer(WIDTH, HEADS, 4 * WIDTH, dropout=0.0, activation="gelu",
+                                       batch_first=True, norm_first=True)
+            for _ in range(depth)
+        )
+        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(length))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x, src_mask=self.mask, is_causal=True)
+        return x
+
+
+class StreamEncoder(nn.Module):
+    """Each layer's attention and MLP sublayers wrapped by lucidrains' streams apart."""
+
+    def __init__(self, depth, length, init_and_expand):
+        super().__init__()
+        init, self.expand, self.reduce = init_and_expand(STREAMS, dim=WIDTH)
+        self.sublayers = nn.ModuleList()
+        for i in range(depth):
+            self.sublayers.append(init(branch=CausalAttention(length), layer_index=2 * i))
+            self.sublayers.append(init(branch=block(), layer_index=2 * i + 1))
+
+    def forward(self, x):
+        x = self.expand(x)
+        for sublayer in self.sublayers:
+            x = sublayer(x)
+        return self.reduce(x)
+
+
+ENCODER_VARIANTS = {
+    "residual": ResidualEncoder,
+    "hc": lambda depth, length: StreamEncoder(
+        depth, length, get_init_and_expand_reduce_stream_functions),
+    "mhc": lambda depth, length: StreamEncoder(
+        depth, length, mc_get_init_and_expand_reduce_stream_functions),
+}
+
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -81,7 +145,7 @@ def main():
     parser.add_argument("--runs", type=int, default=7)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--threads", type=int, default=0, help="CPU threads (0: PyTorch's default)")
-    parser.add_argument("--workload", choices=("stack", "model"), default="stack")
+    parser.add_argument("--workload", choices=("stack", "model", "encoder"), default="stack")
     parser.add_argument("--model-size", choices=("full", "reduced"), default=None,
                         help="model workload size (default: full on cuda, reduced on cpu)")
     args = parser.parse_args()
@@ -91,7 +155,7 @@ def main():
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     torch.manual_seed(0)
     workload = args.workload
-    if workload == "model":
+    if workload in ("model", "encoder"):
         size = args.model_size or ("full" if device.type == "cuda" else "reduced")
         workload = "model" if size == "full" else "model_reduced"
     batch, length, width, depths = SHAPES[workload]
@@ -99,7 +163,11 @@ def main():
     WIDTH = width
     x = torch.randn(batch, length, width, device=device)
     for depth in depths:
-        models = {name: make(depth).to(device) for name, make in VARIANTS.items()}
+        if args.workload == "encoder":
+            models = {name: make(depth, length).to(device)
+                      for name, make in ENCODER_VARIANTS.items()}
+        else:
+            models = {name: make(depth).to(device) for name, make in VARIANTS.items()}
         for mode in ("forward", "train_step"):
 
             def work(model):
@@ -123,7 +191,7 @@ def main():
                 ms = statistics.median(samples)
                 print(json.dumps({
                     "workload": (f"stack{depth}.{mode}" if args.workload == "stack"
-                                 else f"model.{mode}"),
+                                 else f"{args.workload}.{mode}"),
                     "shape": [batch, length, width],
                     "variant": name,
                     "ms": round(ms, 3),

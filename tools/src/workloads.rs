@@ -13,19 +13,29 @@
 //!   ([`MODEL_REDUCED`], a check on CPUs that the workload runs). MLP blocks only, no attention:
 //!   the connectivity's share of a step is larger than in a transformer of the same width, so
 //!   the ratios are upper bounds for one.
+//! * `encoder.{forward,train_step}`: a GPT-2-small-like model at the model workload's shapes:
+//!   12 pre-norm burn-nn [`TransformerEncoder`] layers (12 heads, feed-forward `4d`, GELU, no
+//!   dropout) under a causal mask; the residual is burn-nn's encoder as it comes, every variant
+//!   wraps the same layers through [`ConnectedEncoder`] (by default one connectivity block per
+//!   sublayer, attention and feed-forward apart, as hyper-connections and mHC wire a
+//!   transformer). Attention is in every step here, so this is the ratio a transformer pays.
 //! * `gconv{64,128,256,1024,4096}`: global HyperZZW `conv(Z, Z ⊙ K)` on `[B, C, T] = [8, 64, T]`, by FFT
 //!   or by direct `O(T²)` convolution.
 
+use burn::nn::attention::generate_autoregressive_mask;
+use burn::nn::transformer::{
+    TransformerEncoder, TransformerEncoderConfig, TransformerEncoderInput,
+};
 use burn::prelude::*;
 use burn::tensor::{Distribution, Gradients};
 use burn_connectivity::hyperzzw::{
-    Crop, HyperZzwConnectivity, HyperZzwConnectivityConfig, direct_conv_1d, global_hyperzzw_1d,
+    Crop, HyperZzwConnectivityConfig, direct_conv_1d, global_hyperzzw_1d,
 };
+use burn_connectivity::transformer::{ConnectedEncoder, EncoderMasks, Granularity};
 use burn_connectivity::{
-    Ancre, AncreConfig, AttentionResiduals, AttentionResidualsConfig, Block, DenseFormer,
-    DenseFormerConfig, Hacn, HacnConfig, HyperConnections, HyperConnectionsConfig, Laurel,
-    LaurelConfig, Mhc, MhcConfig, MhcLite, MhcLiteConfig, MhcV4, MhcV4Config, MlpBlock,
-    MlpBlockConfig, Mudd, MuddConfig, Stack, StreamConnectivity,
+    AncreConfig, AttentionResidualsConfig, Block, ConnectivityConfig, DenseFormerConfig,
+    HacnConfig, HyperConnectionsConfig, LaurelConfig, MhcConfig, MhcLiteConfig, MhcV4Config,
+    MlpBlock, MlpBlockConfig, MuddConfig, Stack, StreamConnectivity,
 };
 
 pub const BATCH: usize = 8;
@@ -181,21 +191,113 @@ impl std::fmt::Display for Variant {
     }
 }
 
-/// A stack of `depth` MLP blocks under one of the variants.
-pub enum Model {
-    Residual(Vec<MlpBlock>),
-    Hacn(Stack<MlpBlock, Hacn>),
-    Ancre(Stack<MlpBlock, Ancre>),
-    HyperZzw(Stack<MlpBlock, HyperZzwConnectivity>),
-    Hc(Stack<MlpBlock, HyperConnections>),
-    Mhc(Stack<MlpBlock, Mhc>),
-    Dwa(Stack<MlpBlock, DenseFormer>),
-    AttnRes(Stack<MlpBlock, AttentionResiduals>),
-    MhcV4(Stack<MlpBlock, MhcV4>),
-    Laurel(Stack<MlpBlock, Laurel>),
-    MhcLite(Stack<MlpBlock, MhcLite>),
-    Mudd(Stack<MlpBlock, Mudd>),
+/// Builds a model from a variant's connectivity config: [`Variant::wire`] calls one of its
+/// methods, so that each variant's config is written once for every kind of model.
+pub trait Wiring {
+    /// The model built.
+    type Wired;
+    /// The plain residual: the baseline.
+    fn residual(self) -> Self::Wired;
+    /// The blocks wired by the connectivity `config` builds.
+    fn connected<C>(self, config: &C) -> Self::Wired
+    where
+        C: ConnectivityConfig,
+        C::Connectivity: StreamConnectivity<3> + Send + Sync + 'static;
 }
+
+impl Variant {
+    /// `wiring` applied to this variant's connectivity at stream width `width` (and sequence
+    /// length `length`, which HyperZZW's kernels are sized for).
+    pub fn wire<W: Wiring>(self, width: usize, length: usize, wiring: W) -> W::Wired {
+        match self {
+            Self::Residual => wiring.residual(),
+            Self::Hacn => wiring.connected(&HacnConfig::new()),
+            Self::HacnFrozen => wiring.connected(&HacnConfig::new().with_trainable(false)),
+            Self::Ancre => wiring.connected(&AncreConfig::new()),
+            Self::HyperZzw => wiring.connected(&HyperZzwConnectivityConfig::new(width, length)),
+            Self::Hc => wiring.connected(&HyperConnectionsConfig::new(width).with_streams(4)),
+            Self::Mhc => wiring.connected(&MhcConfig::new(width).with_streams(4)),
+            Self::Dwa => wiring.connected(&DenseFormerConfig::new()),
+            Self::AttnRes => wiring.connected(&AttentionResidualsConfig::new(width)),
+            Self::BlockAttnRes => wiring.connected(
+                &AttentionResidualsConfig::new(width).with_block_size(ATTNRES_BLOCK_SIZE),
+            ),
+            Self::MhcV4 => wiring.connected(&MhcV4Config::new(width).with_streams(4)),
+            Self::Laurel => wiring.connected(&LaurelConfig::lr(width, LAUREL_RANK)),
+            Self::MhcLite => wiring.connected(&MhcLiteConfig::new(width).with_streams(4)),
+            Self::Mudd => wiring.connected(&MuddConfig::new(width)),
+        }
+    }
+}
+
+/// What the stack, model and encoder workloads time: a model of `[B, T, d]` inputs.
+pub trait Timed {
+    fn forward(&self, input: Tensor<3>) -> Tensor<3>;
+
+    /// Forward and backward of the mean output.
+    fn train_step(&self, input: Tensor<3>) -> Gradients {
+        self.forward(input).mean().backward()
+    }
+}
+
+/// A stack of `depth` MLP blocks under one of the variants.
+pub struct Model(Box<dyn Stacked + Send + Sync>);
+
+/// The MLP blocks as a plain residual loop or in a [`Stack`].
+trait Stacked {
+    fn forward(&self, input: Tensor<3>) -> Tensor<3>;
+    /// See [`Model::connectivity_forward`].
+    fn connectivity_forward(&self, input: Tensor<3>) -> Tensor<3>;
+}
+
+impl Stacked for Vec<MlpBlock> {
+    fn forward(&self, input: Tensor<3>) -> Tensor<3> {
+        self.iter().fold(input, |stream, block| {
+            block.branch(stream.clone(), &()) + stream
+        })
+    }
+
+    fn connectivity_forward(&self, input: Tensor<3>) -> Tensor<3> {
+        self.iter()
+            .fold(input, |stream, _| stand_in_branch(stream.clone()) + stream)
+    }
+}
+
+impl<C: StreamConnectivity<3>> Stacked for Stack<MlpBlock, C> {
+    fn forward(&self, input: Tensor<3>) -> Tensor<3> {
+        Stack::forward(self, input)
+    }
+
+    fn connectivity_forward(&self, input: Tensor<3>) -> Tensor<3> {
+        connectivity_alone(self, input)
+    }
+}
+
+/// [`Wiring`] of MLP blocks into a [`Model`].
+struct StackWiring<'a> {
+    blocks: Vec<MlpBlock>,
+    device: &'a Device,
+}
+
+impl Wiring for StackWiring<'_> {
+    type Wired = Model;
+
+    fn residual(self) -> Model {
+        Model(Box::new(self.blocks))
+    }
+
+    fn connected<C>(self, config: &C) -> Model
+    where
+        C: ConnectivityConfig,
+        C::Connectivity: StreamConnectivity<3> + Send + Sync + 'static,
+    {
+        let stack = Stack::new(self.blocks, config, self.device).expect(WIRED);
+        Model(Box::new(stack))
+    }
+}
+
+/// The workloads' configs are valid: a failure is a bug of this file.
+const WIRED: &str = "valid connectivity config";
 
 impl Model {
     /// A `stack{depth}` workload's model.
@@ -213,105 +315,23 @@ impl Model {
         let blocks = MlpBlockConfig::new(width, 4 * width)
             .init_stack(depth, device)
             .expect("valid block config");
-        let wired = "valid connectivity config";
-        match variant {
-            Variant::Residual => Self::Residual(blocks),
-            Variant::Hacn => {
-                Self::Hacn(Stack::new(blocks, &HacnConfig::new(), device).expect(wired))
-            }
-            Variant::HacnFrozen => {
-                let frozen = HacnConfig::new().with_trainable(false);
-                Self::Hacn(Stack::new(blocks, &frozen, device).expect(wired))
-            }
-            Variant::Ancre => {
-                Self::Ancre(Stack::new(blocks, &AncreConfig::new(), device).expect(wired))
-            }
-            Variant::HyperZzw => {
-                let config = HyperZzwConnectivityConfig::new(width, length);
-                Self::HyperZzw(Stack::new(blocks, &config, device).expect(wired))
-            }
-            Variant::Hc => {
-                let config = HyperConnectionsConfig::new(width).with_streams(4);
-                Self::Hc(Stack::new(blocks, &config, device).expect(wired))
-            }
-            Variant::Mhc => {
-                let config = MhcConfig::new(width).with_streams(4);
-                Self::Mhc(Stack::new(blocks, &config, device).expect(wired))
-            }
-            Variant::Dwa => {
-                Self::Dwa(Stack::new(blocks, &DenseFormerConfig::new(), device).expect(wired))
-            }
-            Variant::AttnRes => {
-                let config = AttentionResidualsConfig::new(width);
-                Self::AttnRes(Stack::new(blocks, &config, device).expect(wired))
-            }
-            Variant::BlockAttnRes => {
-                let config =
-                    AttentionResidualsConfig::new(width).with_block_size(ATTNRES_BLOCK_SIZE);
-                Self::AttnRes(Stack::new(blocks, &config, device).expect(wired))
-            }
-            Variant::MhcV4 => {
-                let config = MhcV4Config::new(width).with_streams(4);
-                Self::MhcV4(Stack::new(blocks, &config, device).expect(wired))
-            }
-            Variant::Laurel => {
-                let config = LaurelConfig::lr(width, LAUREL_RANK);
-                Self::Laurel(Stack::new(blocks, &config, device).expect(wired))
-            }
-            Variant::MhcLite => {
-                let config = MhcLiteConfig::new(width).with_streams(4);
-                Self::MhcLite(Stack::new(blocks, &config, device).expect(wired))
-            }
-            Variant::Mudd => {
-                Self::Mudd(Stack::new(blocks, &MuddConfig::new(width), device).expect(wired))
-            }
-        }
+        variant.wire(width, length, StackWiring { blocks, device })
     }
 
     pub fn forward(&self, input: Tensor<3>) -> Tensor<3> {
-        match self {
-            Self::Residual(blocks) => blocks.iter().fold(input, |stream, block| {
-                block.branch(stream.clone(), &()) + stream
-            }),
-            Self::Hacn(stack) => stack.forward(input),
-            Self::Ancre(stack) => stack.forward(input),
-            Self::HyperZzw(stack) => stack.forward(input),
-            Self::Hc(stack) => stack.forward(input),
-            Self::Mhc(stack) => stack.forward(input),
-            Self::Dwa(stack) => stack.forward(input),
-            Self::AttnRes(stack) => stack.forward(input),
-            Self::MhcV4(stack) => stack.forward(input),
-            Self::Laurel(stack) => stack.forward(input),
-            Self::MhcLite(stack) => stack.forward(input),
-            Self::Mudd(stack) => stack.forward(input),
-        }
+        self.0.forward(input)
     }
 
     /// Forward and backward of the mean output.
     pub fn train_step(&self, input: Tensor<3>) -> Gradients {
-        self.forward(input).mean().backward()
+        Timed::train_step(self, input)
     }
 
     /// The model's connectivity alone, its blocks replaced by the stand-in branch
     /// `f_j(u) = u / 2` (one elementwise op, the same for every variant): what the
     /// connectivity's own ops cost in the stack, without the blocks' (the residual: its adds).
     pub fn connectivity_forward(&self, input: Tensor<3>) -> Tensor<3> {
-        match self {
-            Self::Residual(blocks) => blocks
-                .iter()
-                .fold(input, |stream, _| stand_in_branch(stream.clone()) + stream),
-            Self::Hacn(stack) => connectivity_alone(stack, input),
-            Self::Ancre(stack) => connectivity_alone(stack, input),
-            Self::HyperZzw(stack) => connectivity_alone(stack, input),
-            Self::Hc(stack) => connectivity_alone(stack, input),
-            Self::Mhc(stack) => connectivity_alone(stack, input),
-            Self::Dwa(stack) => connectivity_alone(stack, input),
-            Self::AttnRes(stack) => connectivity_alone(stack, input),
-            Self::MhcV4(stack) => connectivity_alone(stack, input),
-            Self::Laurel(stack) => connectivity_alone(stack, input),
-            Self::MhcLite(stack) => connectivity_alone(stack, input),
-            Self::Mudd(stack) => connectivity_alone(stack, input),
-        }
+        self.0.connectivity_forward(input)
     }
 
     /// Forward and backward of [`connectivity_forward`](Self::connectivity_forward)'s mean,
@@ -321,6 +341,87 @@ impl Model {
         self.connectivity_forward(input.require_grad())
             .mean()
             .backward()
+    }
+}
+
+impl Timed for Model {
+    fn forward(&self, input: Tensor<3>) -> Tensor<3> {
+        Model::forward(self, input)
+    }
+}
+
+/// Heads of the encoder workload's attention (GPT-2 small's).
+pub const ENCODER_HEADS: usize = 12;
+
+/// The encoder workload's model: `depth` pre-norm burn-nn [`TransformerEncoder`] layers at
+/// `width` ([`ENCODER_HEADS`] heads, feed-forward width `4 width`, GELU, no dropout) under a
+/// causal mask, as burn-nn runs them (the residual) or wired by a variant through
+/// [`ConnectedEncoder`] at `granularity`.
+pub struct EncoderModel(Box<dyn Fn(Tensor<3>) -> Tensor<3> + Send + Sync>);
+
+/// [`Wiring`] of encoder layers into an [`EncoderModel`].
+struct EncoderWiring<'a> {
+    encoder: TransformerEncoder,
+    granularity: Granularity,
+    shape: StackShape,
+    device: &'a Device,
+}
+
+impl Wiring for EncoderWiring<'_> {
+    type Wired = EncoderModel;
+
+    fn residual(self) -> EncoderModel {
+        let StackShape { batch, length, .. } = self.shape;
+        let mask = generate_autoregressive_mask(batch, length, self.device);
+        let encoder = self.encoder;
+        EncoderModel(Box::new(move |input| {
+            encoder.forward(TransformerEncoderInput::new(input).mask_attn(mask.clone()))
+        }))
+    }
+
+    fn connected<C>(self, config: &C) -> EncoderModel
+    where
+        C: ConnectivityConfig,
+        C::Connectivity: StreamConnectivity<3> + Send + Sync + 'static,
+    {
+        let StackShape { batch, length, .. } = self.shape;
+        let masks = EncoderMasks::causal(batch, length, self.device);
+        let model = ConnectedEncoder::new(self.encoder, self.granularity, config, self.device)
+            .expect(WIRED);
+        EncoderModel(Box::new(move |input| model.forward(input, &masks)))
+    }
+}
+
+impl EncoderModel {
+    pub fn new(
+        variant: Variant,
+        shape: StackShape,
+        granularity: Granularity,
+        device: &Device,
+    ) -> Self {
+        let StackShape {
+            width,
+            length,
+            depth,
+            ..
+        } = shape;
+        let encoder = TransformerEncoderConfig::new(width, 4 * width, ENCODER_HEADS, depth)
+            .with_norm_first(true)
+            .with_dropout(0.0)
+            .init(device);
+        let wiring = EncoderWiring {
+            encoder,
+            granularity,
+            shape,
+            device,
+        };
+        variant.wire(width, length, wiring)
+    }
+}
+
+impl Timed for EncoderModel {
+    fn forward(&self, input: Tensor<3>) -> Tensor<3> {
+        (self.0)(input)
     }
 }
 

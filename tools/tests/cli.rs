@@ -71,11 +71,34 @@ fn model_workload_runs_every_variant_at_reduced_size() {
     assert!(output.status.success(), "{stderr}");
     assert!(stderr.contains("[1, 32, 768]"), "{stderr}");
     let stdout = String::from_utf8_lossy(&output.stdout);
-    for variant in ["residual", "hacn", "ancre", "hyperzzw", "hc", "mhc", "dwa"] {
+    for variant in VARIANTS {
         for pass in ["forward", "train_step"] {
             let line = format!(r#""workload":"model.{pass}","variant":"{variant}""#);
             assert!(stdout.contains(&line), "no {line} in {stdout}");
         }
+    }
+}
+
+/// The encoder workload wires burn-nn's encoder layers through every variant (train step only:
+/// it runs the forward too), reduced to `[1, 32]` tokens on Flex.
+#[test]
+fn encoder_workload_wraps_every_variant_at_reduced_size() {
+    let _alone = one_tool_at_a_time();
+    let output = Command::new(env!("CARGO_BIN_EXE_bench_connectivity"))
+        .args(["--only", "encoder", "--passes", "train-step"])
+        .args(["--runs", "1", "--warmup", "0"])
+        .output()
+        .expect("runs");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("encoder layers (12 heads, causal) on [1, 32, 768]"),
+        "{stderr}"
+    );
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    for variant in VARIANTS {
+        let line = format!(r#""workload":"encoder.train_step","variant":"{variant}""#);
+        assert!(stdout.contains(&line), "no {line} in {stdout}");
     }
 }
 
@@ -104,21 +127,7 @@ fn connectivity_alone_times_every_variant() {
         stdout.contains(r#""workload":"stack2.train_step","variant":"residual""#),
         "{stdout}"
     );
-    for variant in [
-        "residual",
-        "hacn",
-        "ancre",
-        "hyperzzw",
-        "hc",
-        "mhc",
-        "dwa",
-        "attnres",
-        "block_attnres",
-        "laurel",
-        "mhc_lite",
-        "mhc_v4",
-        "mudd",
-    ] {
+    for variant in VARIANTS {
         let line = format!(r#""workload":"connectivity2.train_step","variant":"{variant}""#);
         assert!(stdout.contains(&line), "no {line} in {stdout}");
         if variant != "residual" {
@@ -180,6 +189,23 @@ fn pairs_give_each_variant_its_own_residual() {
         assert_eq!(ratios, 1, "{variant}: {stderr}");
     }
 }
+
+/// Every variant as `--variants` names it (`hacn_frozen` aside), the residual first.
+const VARIANTS: [&str; 13] = [
+    "residual",
+    "hacn",
+    "ancre",
+    "hyperzzw",
+    "hc",
+    "mhc",
+    "dwa",
+    "attnres",
+    "block_attnres",
+    "laurel",
+    "mhc_lite",
+    "mhc_v4",
+    "mudd",
+];
 
 /// `kernel_counts` on wgpu (lavapipe in CI): a train step of every counted connectivity within
 /// its target of extra kernels per block over the residual's (H-ACN ≤ 2, ANCRe ≤ 3, DWA ≤ 3,

@@ -24,7 +24,7 @@
 //! ms: residual 57.93, mhc 77.86, …`), so that a run cut short by a time limit keeps them.
 //!
 //! ```text
-//! cargo run --release -p burn-connectivity-tools --bin bench_connectivity -- [--device flex] [--runs 5] [--warmup 1] [--only stack|model|gconv|profile|connectivity] [--model-size full|reduced] [--depths 12,24] [--heap system|retain]
+//! cargo run --release -p burn-connectivity-tools --bin bench_connectivity -- [--device flex] [--runs 5] [--warmup 1] [--only stack|model|encoder|gconv|profile|connectivity] [--model-size full|reduced] [--granularity block|sublayer|layer] [--depths 12,24] [--heap system|retain]
 //! ```
 //!
 //! `--heap retain` (Linux with glibc) keeps the memory a run frees for the next one. By default
@@ -40,6 +40,13 @@
 //! `[8, 1024]` tokens, f32; `[1, 32]` tokens with `--model-size reduced`, the default on CPU
 //! backends), forward and train step: the workload where a GPU does real work. The PyTorch
 //! peer (`tools/peer/hyper_connections_peer.py --workload model`) times the same shapes.
+//!
+//! `--only encoder` times the same shapes through 12 pre-norm burn-nn encoder layers (12 heads,
+//! causal mask), attention included: burn-nn's `TransformerEncoder` as the residual, each
+//! variant through the crate's `ConnectedEncoder` with a connectivity block per sublayer
+//! (`--granularity sublayer`, the default; `block` wires each layer's attention shortcut,
+//! `layer` whole layers). A transformer's step holds attention besides the MLP, so this is the
+//! share a connectivity costs in one.
 //!
 //! `--only profile` times the operation classes of one residual MLP block on their own (forward
 //! and backward at the block's shapes) next to the depth-12 residual train step, and prints
@@ -64,11 +71,12 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
 
 use burn::prelude::*;
+use burn_connectivity::transformer::Granularity;
 use clap::Parser;
 use common::DeviceArg;
 use workloads::{
-    ConvMethod, DEPTHS, GCONV_LENGTHS, MODEL, MODEL_REDUCED, Model, OpClass, OpProfile, StackShape,
-    Variant, gconv_inputs, stack_input,
+    ConvMethod, DEPTHS, ENCODER_HEADS, EncoderModel, GCONV_LENGTHS, MODEL, MODEL_REDUCED, Model,
+    OpClass, OpProfile, StackShape, Timed, Variant, gconv_inputs, stack_input,
 };
 
 /// The system allocator, keeping the current and the peak number of live heap bytes.
@@ -118,6 +126,9 @@ enum Workload {
     Stack,
     /// The stacks at model scale: 12 blocks, d = 768, [8, 1024] tokens (see `--model-size`).
     Model,
+    /// 12 burn-nn encoder layers (attention and feed-forward) at the model workload's shapes,
+    /// causal, wrapped by each variant (see `--granularity`).
+    Encoder,
     /// The global HyperZZW convolution, FFT vs direct.
     Gconv,
     /// The residual train step next to each op class of one block.
@@ -149,6 +160,10 @@ struct Flags {
     /// full on the GPU backends, reduced on the CPU ones.
     #[arg(long, value_enum)]
     model_size: Option<ModelSize>,
+    /// Encoder workload: what a connectivity block is, a sublayer (attention and feed-forward
+    /// apart), a layer's attention shortcut (`block`) or a whole layer (`layer`).
+    #[arg(long, value_enum, default_value_t = EncoderGranularity::Sublayer)]
+    granularity: EncoderGranularity,
     /// Passes of the stack and model workloads, comma separated (default: both). On a GPU each
     /// pass's warm-up compiles and autotunes its own kernels: one pass costs half the time.
     #[arg(long, value_enum, value_delimiter = ',', default_values_t = [Pass::Forward, Pass::TrainStep])]
@@ -166,6 +181,24 @@ struct Flags {
     /// training run does; each ratio is to the residual of its pair).
     #[arg(long)]
     pairs: bool,
+}
+
+/// [`Granularity`] as `--granularity` names it.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+enum EncoderGranularity {
+    Block,
+    Sublayer,
+    Layer,
+}
+
+impl From<EncoderGranularity> for Granularity {
+    fn from(granularity: EncoderGranularity) -> Self {
+        match granularity {
+            EncoderGranularity::Block => Self::Block,
+            EncoderGranularity::Sublayer => Self::Sublayer,
+            EncoderGranularity::Layer => Self::Layer,
+        }
+    }
 }
 
 /// The passes a stack workload times.
@@ -560,11 +593,12 @@ fn run(flags: Flags) -> Result<(), String> {
                 &flags.passes,
                 flags.pairs,
                 &mut report,
+                &|variant, device| Box::new(Model::with_shape(variant, shape, device)),
             );
         }
         report.print_ratios(Variant::Residual.name());
     }
-    if only == Some(Workload::Model) {
+    if matches!(only, Some(Workload::Model | Workload::Encoder)) {
         let gpu = !matches!(flags.device.device.as_str(), "flex" | "ndarray" | "tch");
         let size = flags.model_size.unwrap_or(if gpu {
             ModelSize::Full
@@ -575,19 +609,40 @@ fn run(flags: Flags) -> Result<(), String> {
             ModelSize::Full => MODEL,
             ModelSize::Reduced => MODEL_REDUCED,
         };
-        eprintln!(
-            "model workload: {} pre-LN MLP blocks on [{}, {}, {}], f32",
-            shape.depth, shape.batch, shape.length, shape.width
-        );
+        let StackShape {
+            batch,
+            length,
+            width,
+            depth,
+        } = shape;
+        let granularity = Granularity::from(flags.granularity);
+        let (name, build): (&str, &ModelBuilder<'_>) = if only == Some(Workload::Model) {
+            eprintln!(
+                "model workload: {depth} pre-LN MLP blocks on [{batch}, {length}, {width}], f32"
+            );
+            ("model", &|variant, device| {
+                Box::new(Model::with_shape(variant, shape, device))
+            })
+        } else {
+            eprintln!(
+                "encoder workload: {depth} pre-norm encoder layers ({ENCODER_HEADS} heads, causal) \
+                 on [{batch}, {length}, {width}], f32, a connectivity block per {:?}",
+                flags.granularity
+            );
+            ("encoder", &|variant, device| {
+                Box::new(EncoderModel::new(variant, shape, granularity, device))
+            })
+        };
         time_stacks(
             &device,
             shape,
-            "model",
+            name,
             &variants,
             rounds,
             &flags.passes,
             flags.pairs,
             &mut report,
+            build,
         );
         report.print_ratios(Variant::Residual.name());
     }
@@ -629,10 +684,13 @@ fn run(flags: Flags) -> Result<(), String> {
     Ok(())
 }
 
-/// Times the forward pass and the train step of every variant's stack of `shape`, the
-/// variants round-robin, as the workloads `{name}.forward` and `{name}.train_step`; with
+/// A variant's model of one workload on a device.
+type ModelBuilder<'a> = dyn Fn(Variant, &Device) -> Box<dyn Timed> + 'a;
+
+/// Times the forward pass and the train step of every variant's model (`build` makes them),
+/// the variants round-robin, as the workloads `{name}.forward` and `{name}.train_step`; with
 /// `pairs`, each variant after the first (the residual) round-robin with a residual of its own,
-/// one pair after another.
+/// one pair after another. Their input is a random one of `shape`.
 #[allow(clippy::too_many_arguments)]
 fn time_stacks(
     device: &Device,
@@ -643,6 +701,7 @@ fn time_stacks(
     passes: &[Pass],
     pairs: bool,
     report: &mut Report,
+    build: &ModelBuilder<'_>,
 ) {
     if pairs && variants.len() > 2 {
         let (baseline, others) = variants.split_first().expect("the residual first");
@@ -656,6 +715,7 @@ fn time_stacks(
                 passes,
                 false,
                 report,
+                build,
             );
         }
         return;
@@ -667,9 +727,9 @@ fn time_stacks(
     ];
     for (_, mode, device) in modes.into_iter().filter(|(pass, ..)| passes.contains(pass)) {
         let started = std::time::Instant::now();
-        let models: Vec<Model> = variants
+        let models: Vec<Box<dyn Timed>> = variants
             .iter()
-            .map(|&variant| Model::with_shape(variant, shape, device))
+            .map(|&variant| build(variant, device))
             .collect();
         let input = shape.input(device);
         let works: Vec<Box<dyn Fn() -> Box<dyn std::any::Any>>> = models

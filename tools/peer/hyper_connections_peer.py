@@ -59,11 +59,13 @@ class ResidualStack(nn.Module):
 
 
 class StreamStack(nn.Module):
-    def __init__(self, depth, init_and_expand):
+    """`branches` in turn, each wrapped by lucidrains' streams (`init_and_expand`)."""
+
+    def __init__(self, branches, init_and_expand):
         super().__init__()
         init, self.expand, self.reduce = init_and_expand(STREAMS, dim=WIDTH)
         self.layers = nn.ModuleList(
-            init(branch=block(), layer_index=i) for i in range(depth)
+            init(branch=branch, layer_index=i) for i, branch in enumerate(branches)
         )
 
     def forward(self, x):
@@ -75,8 +77,10 @@ class StreamStack(nn.Module):
 
 VARIANTS = {
     "residual": ResidualStack,
-    "hc": lambda depth: StreamStack(depth, get_init_and_expand_reduce_stream_functions),
-    "mhc": lambda depth: StreamStack(depth, mc_get_init_and_expand_reduce_stream_functions),
+    "hc": lambda depth: StreamStack(
+        [block() for _ in range(depth)], get_init_and_expand_reduce_stream_functions),
+    "mhc": lambda depth: StreamStack(
+        [block() for _ in range(depth)], mc_get_init_and_expand_reduce_stream_functions),
 }
 
 HEADS = 12
@@ -112,30 +116,17 @@ class ResidualEncoder(nn.Module):
         return x
 
 
-class StreamEncoder(nn.Module):
-    """Each layer's attention and MLP sublayers wrapped by lucidrains' streams apart."""
-
-    def __init__(self, depth, length, init_and_expand):
-        super().__init__()
-        init, self.expand, self.reduce = init_and_expand(STREAMS, dim=WIDTH)
-        self.sublayers = nn.ModuleList()
-        for i in range(depth):
-            self.sublayers.append(init(branch=CausalAttention(length), layer_index=2 * i))
-            self.sublayers.append(init(branch=block(), layer_index=2 * i + 1))
-
-    def forward(self, x):
-        x = self.expand(x)
-        for sublayer in self.sublayers:
-            x = sublayer(x)
-        return self.reduce(x)
+def sublayers(depth, length):
+    """Each layer's attention and MLP sublayers apart, in order."""
+    return [sublayer for _ in range(depth) for sublayer in (CausalAttention(length), block())]
 
 
 ENCODER_VARIANTS = {
     "residual": ResidualEncoder,
-    "hc": lambda depth, length: StreamEncoder(
-        depth, length, get_init_and_expand_reduce_stream_functions),
-    "mhc": lambda depth, length: StreamEncoder(
-        depth, length, mc_get_init_and_expand_reduce_stream_functions),
+    "hc": lambda depth, length: StreamStack(
+        sublayers(depth, length), get_init_and_expand_reduce_stream_functions),
+    "mhc": lambda depth, length: StreamStack(
+        sublayers(depth, length), mc_get_init_and_expand_reduce_stream_functions),
 }
 
 

@@ -221,8 +221,8 @@ impl<const D: usize> StreamConnectivity<D> for DenseFormer {
             // `Y_0 = 1 · X_0`, the 1 a constant: where `X_0` needs no gradient, neither does
             // `Y_0` (block 1 does not differentiate its input), and the later averages'
             // backward covers `X_0`.
-            let one = TensorData::new(vec![1.0f32], [1]).convert_dtype(input.dtype());
-            let one = Tensor::<1>::from_data(one, &input.device());
+            let one = TensorData::new(vec![1.0f32], [1]);
+            let one = Tensor::<1>::from_data(one, (&input.device(), input.dtype()));
             let stream = history.mix(Vec::new(), 0, 0, one, input);
             if !self.needed_later(0, 0) {
                 history.forget(0);

@@ -110,7 +110,10 @@ pub(crate) fn sinkhorn_composed<const D: usize>(logits: Tensor<D>, iterations: u
         let values: Vec<f32> = (0..n * n * n * n)
             .map(|k| f32::from(u8::from(same(k / (n * n), k % (n * n), n))))
             .collect();
-        Tensor::<2>::from_data(TensorData::new(values, [n * n, n * n]), &device)
+        Tensor::<2>::from_data(
+            TensorData::new(values, [n * n, n * n]),
+            (&device, logits.dtype()),
+        )
     };
     let row_sums = sums(|a, b, n| a / n == b / n);
     let column_sums = sums(|a, b, n| a % n == b % n);
@@ -455,8 +458,11 @@ impl Mhc {
 
     /// The static part of every block's connections: those of a token whose streams vanish.
     pub fn static_connections(&self) -> Vec<MhcConnections> {
-        let device = self.layers[0].bias.device();
-        let zero = Tensor::zeros([1, self.streams, self.width], &device);
+        let bias = self.layers[0].bias.val();
+        let zero = Tensor::zeros(
+            [1, self.streams, self.width],
+            (&bias.device(), bias.dtype()),
+        );
         self.layers
             .iter()
             .map(|layer| layer.connections(&zero, self.sinkhorn_iterations))

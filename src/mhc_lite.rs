@@ -105,8 +105,9 @@ pub fn permutations(n: usize) -> Vec<Vec<usize>> {
         .collect()
 }
 
-/// `[n!, n²]`: row `k` is `P_k` flattened row-major (`P_k[i][π_k(i)] = 1`).
-fn permutation_matrices(n: usize, device: &Device) -> Tensor<2> {
+/// `[n!, n²]` in the float type of `like`, on its device: row `k` is `P_k` flattened row-major
+/// (`P_k[i][π_k(i)] = 1`).
+fn permutation_matrices(n: usize, like: &Tensor<3>) -> Tensor<2> {
     let all = permutations(n);
     let mut values = vec![0.0f32; all.len() * n * n];
     for (k, permutation) in all.iter().enumerate() {
@@ -114,7 +115,8 @@ fn permutation_matrices(n: usize, device: &Device) -> Tensor<2> {
             values[k * n * n + i * n + target] = 1.0;
         }
     }
-    Tensor::from_data(TensorData::new(values, [all.len(), n * n]), device)
+    let values = TensorData::new(values, [all.len(), n * n]);
+    Tensor::from_data(values, (&like.device(), like.dtype()))
 }
 
 impl ConnectivityConfig for MhcLiteConfig {
@@ -166,7 +168,7 @@ fn connections(layer: &MhcLayer, streams: &Tensor<3>, ops: &LayerOps) -> MhcConn
     let [tokens, n, _] = streams.dims();
     let (pre, post, logits) = layer.gates(streams, ops);
     let res = softmax(logits, 1)
-        .matmul(permutation_matrices(n, &streams.device()))
+        .matmul(permutation_matrices(n, streams))
         .reshape([tokens, n, n]);
     MhcConnections { pre, post, res }
 }
@@ -184,7 +186,7 @@ impl MixingLayer for MhcLiteMixing<'_> {
         #[cfg(feature = "cube-kernels")]
         if let Some(mixing) = self.layer.table_mixing(units, ops, 0, || {
             let [_, n, _] = units.dims();
-            Some(permutation_matrices(n, &units.device()))
+            Some(permutation_matrices(n, units))
         }) {
             return mixing;
         }
@@ -229,8 +231,11 @@ impl MhcLite {
 
     /// The static part of every block's connections: those of a token whose streams vanish.
     pub fn static_connections(&self) -> Vec<MhcConnections> {
-        let device = self.layers[0].bias.device();
-        let zero = Tensor::zeros([1, self.streams, self.width], &device);
+        let bias = self.layers[0].bias.val();
+        let zero = Tensor::zeros(
+            [1, self.streams, self.width],
+            (&bias.device(), bias.dtype()),
+        );
         self.layers
             .iter()
             .map(|layer| connections(layer, &zero, &LayerOps::standalone(&zero)))

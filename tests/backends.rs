@@ -14,7 +14,7 @@ use burn::nn::activation::ActivationConfig;
 use burn::nn::transformer::TransformerEncoderConfig;
 use burn::prelude::*;
 use burn::store::ModuleRecord;
-use burn::tensor::{Distribution, Gradients, Tolerance};
+use burn::tensor::{Distribution, FloatDType, Gradients, Tolerance};
 use burn_connectivity::hyperzzw::HyperZzwConnectivityConfig;
 use burn_connectivity::transformer::{ConnectedEncoder, EncoderMasks, Granularity};
 use burn_connectivity::{
@@ -125,7 +125,7 @@ fn readouts_and_gradients<M: Module>(
     probe: &Tensor<3>,
 ) -> (Vec<TensorData>, Vec<TensorData>) {
     let device = model.devices()[0].clone();
-    let on_device = |x: &Tensor<3>| Tensor::<3>::from_data(x.to_data(), &device);
+    let on_device = |x: &Tensor<3>| Tensor::<3>::from_data(x.to_data(), (&device, x.dtype()));
     let mut readouts = readout(model, on_device(input));
     let last = readouts.pop().unwrap();
     let grads = (last.clone() * on_device(probe)).sum().backward();
@@ -535,4 +535,144 @@ fn mhc_lite_laurel_and_mudd_agree_across_backends() {
         assert_stacks_agree(&mudd, &[WIDTH]);
         assert_save_load_is_exact(&mudd);
     }
+}
+
+/// Every float parameter copied onto a device and cast to a float type, requiring a gradient.
+struct OnDeviceAs(Device, FloatDType);
+
+impl burn::module::ModuleMapper for OnDeviceAs {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+        param.map(|tensor| {
+            Tensor::<D>::from_data(tensor.to_data(), &self.0)
+                .cast(self.1)
+                .require_grad()
+        })
+    }
+}
+
+/// The largest difference of `found` from `exact` over the largest magnitude of `exact`
+/// (infinite where an entry of `found` is not finite).
+fn scaled_error(found: &TensorData, exact: &TensorData) -> f32 {
+    let found = found.clone().convert::<f32>();
+    let exact: Vec<f32> = exact.iter::<f32>().collect();
+    let largest = exact.iter().fold(0.0f32, |top, v| top.max(v.abs()));
+    let worst = found.iter::<f32>().zip(&exact).fold(0.0f32, |top, (f, e)| {
+        top.max(if f.is_finite() {
+            (f - e).abs()
+        } else {
+            f32::INFINITY
+        })
+    });
+    worst / largest.max(f32::MIN_POSITIVE)
+}
+
+/// The readouts and parameter gradients of `reference`'s weights cast to `dtype` on `device`
+/// (inputs cast too), each tensor's [`scaled_error`] from the f32 ones in `exact`.
+fn half_precision_errors<M: Module>(
+    reference: &M,
+    readout: &impl Fn(&M, Tensor<3>) -> Vec<Tensor<3>>,
+    (input, probe): (&Tensor<3>, &Tensor<3>),
+    exact: &[TensorData],
+    (dtype, device): (FloatDType, &Device),
+) -> Vec<f32> {
+    let model = reference
+        .clone()
+        .map(&mut OnDeviceAs(device.clone(), dtype));
+    let cast = |x: &Tensor<3>| Tensor::<3>::from_data(x.to_data(), device).cast(dtype);
+    let (values, gradients) = readouts_and_gradients(&model, readout, &cast(input), &cast(probe));
+    let found: Vec<TensorData> = values.into_iter().chain(gradients).collect();
+    assert_eq!(found.len(), exact.len(), "{dtype:?} on {device:?}");
+    found
+        .iter()
+        .zip(exact)
+        .map(|(found, exact)| scaled_error(found, exact))
+        .collect()
+}
+
+/// f16's unit roundoff.
+const F16_ROUNDOFF: f32 = 1.0 / 2048.0;
+
+/// A stack of `config` at `width`, its f32 weights cast to half precision: on Flex in bf16 and
+/// f16 (the composed forms) and on wgpu in f16 (the crate's kernels where it is compiled in).
+/// Every readout and gradient is finite in bf16 on Flex and in f16 on wgpu, and each tensor on
+/// wgpu that the composed f16 form computes to 64 of f16's unit roundoffs is within 16× its
+/// error from f32 (relative to the tensor's largest entry), or 16 roundoffs: the kernels lose
+/// about what the tensor ops lose (seen: at most 2.4× outside the scalar gradients below). The
+/// others are gradients summed from terms that cancel, such as the `α` of mHC at init, far off
+/// in any half-precision form; f16 on Flex can overflow (DeepSeek-V4's composed form), so it is
+/// the reference and not checked itself. What this catches: a kernel that reads a tensor made
+/// in the device's default float type as f16 (ANCRe's mask, once: every coefficient wrong), a
+/// composed form that mixes float types (Burn panics), Burn's f16-less CubeCL FFT.
+fn assert_half_precision_close<C>(name: &str, config: &C, width: usize)
+where
+    C: ConnectivityConfig,
+    C::Connectivity: StreamConnectivity<3>,
+{
+    let flex = Device::flex().autodiff();
+    let reference = stack_of_width(config, BLOCKS, width, &flex);
+    let input = Tensor::<3>::random([2, 5, width], Distribution::Normal(0.0, 1.0), &flex);
+    let probe = Tensor::<3>::random([2, 5, width], Distribution::Normal(0.0, 1.0), &flex);
+    let inputs = (&input, &probe);
+    let (values, gradients) = readouts_and_gradients(&reference, &Stack::readout, &input, &probe);
+    let exact: Vec<TensorData> = values.into_iter().chain(gradients).collect();
+    let errors = |dtype, device: &Device| {
+        half_precision_errors(&reference, &Stack::readout, inputs, &exact, (dtype, device))
+    };
+    let brain_float = errors(FloatDType::BF16, &flex);
+    let composed = errors(FloatDType::F16, &flex);
+    assert!(
+        brain_float.iter().all(|error| error.is_finite()),
+        "bf16 on Flex: {brain_float:?}"
+    );
+    let worst = |errors: &[f32]| errors.iter().copied().fold(0.0f32, f32::max);
+    eprintln!(
+        "{name} on flex: bf16 {:e}, f16 {:e} at worst",
+        worst(&brain_float),
+        worst(&composed)
+    );
+    for (backend, device) in other_backends() {
+        if backend != "wgpu" {
+            continue;
+        }
+        let kernels = errors(FloatDType::F16, &device.autodiff());
+        eprintln!("{name} on wgpu: f16 {:e} at worst", worst(&kernels));
+        for (index, (kernel, composed)) in kernels.iter().zip(&composed).enumerate() {
+            let compared = *composed <= 64.0 * F16_ROUNDOFF;
+            let bound = (16.0 * composed).max(16.0 * F16_ROUNDOFF);
+            assert!(
+                kernel.is_finite() && (!compared || *kernel <= bound),
+                "{name}: tensor {index} (readouts, then gradients) in f16 on wgpu is {kernel:e} of its \
+                 scale from f32, on Flex {composed:e}"
+            );
+        }
+    }
+}
+
+#[test]
+fn every_connectivity_runs_in_half_precision() {
+    let _draws = seeded(13);
+    let width = ALIGNED_WIDTH;
+    assert_half_precision_close("hacn", &HacnConfig::new(), width);
+    assert_half_precision_close("ancre", &AncreConfig::new(), width);
+    assert_half_precision_close("dwa", &DenseFormerConfig::new(), width);
+    assert_half_precision_close("hc", &HyperConnectionsConfig::new(width), width);
+    assert_half_precision_close(
+        "frac",
+        &HyperConnectionsConfig::new(width)
+            .with_streams(2)
+            .with_fractions(2),
+        width,
+    );
+    assert_half_precision_close("mhc", &MhcConfig::new(width).with_phi_std(0.1), width);
+    assert_half_precision_close("attnres", &AttentionResidualsConfig::new(width), width);
+    assert_half_precision_close(
+        "block attnres",
+        &AttentionResidualsConfig::new(width).with_block_size(2),
+        width,
+    );
+    assert_half_precision_close("v4", &MhcV4Config::new(width).with_init_std(0.3), width);
+    assert_half_precision_close("laurel", &LaurelConfig::rw_lr_pa(width, 4, 2), width);
+    assert_half_precision_close("mudd", &MuddConfig::multiway(width), width);
+    assert_half_precision_close("lite", &MhcLiteConfig::new(width).with_phi_std(0.3), width);
+    assert_half_precision_close("hyperzzw", &hyperzzw(), WIDTH);
 }

@@ -18,7 +18,10 @@
 //! one projected row per cube; the normalised form's take several token rows per cube through
 //! tiles of `Φ` in shared memory (`cube_launch::RowTiles`: each row would otherwise stream the
 //! whole `Φ`, 24 times its own bytes at `n = 4`), one unit per row for the logits and
-//! Sinkhorn-Knopp.
+//! Sinkhorn-Knopp. That per-row work (logits, gates, Sinkhorn-Knopp or mHC-lite's softmax
+//! mixture of permutations) runs in the summing type, f32 for f16 and bf16 tensors, from the
+//! stored projection: in f16, 20 Sinkhorn-Knopp iterations or a mixture of 24 permutations lost
+//! ten times the bits the composed tensor ops do.
 //!
 //! Two forms, with their constants passed in. The row scale is `s(n) = a / max(√(n² + c) + b, f)`
 //! of the row norm `n = ‖x_r‖₂` (as in the normalised projection; `c = 0` in the gated form).

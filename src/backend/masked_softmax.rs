@@ -44,8 +44,12 @@ pub(crate) fn masked_softmax(
         let codes: Vec<f32> = (mask.kept.iter().zip(&mask.ones))
             .map(|(&kept, &one)| f32::from(u8::from(kept) + u8::from(one)))
             .collect();
-        let codes = TensorData::new(codes, mask.shape).convert_dtype(logits.dtype());
-        let codes = Tensor::<2>::from_data(codes, &device);
+        // In the logits' type: `from_data` alone gives the device's default float type, and
+        // the kernel reads both as one type.
+        let codes = Tensor::<2>::from_data(
+            TensorData::new(codes, mask.shape),
+            (&device, logits.dtype()),
+        );
         return Tensor::from_dispatch(
             <burn::backend::Dispatch as op::MaskedSoftmaxBackend>::masked_softmax(
                 logits.into_dispatch(),

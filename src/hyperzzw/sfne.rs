@@ -523,7 +523,7 @@ impl SfneBlock {
         let [batch, out_channels, _] = activated.dims();
         let channel_mask = self.dropout.forward(Tensor::<3>::ones(
             [batch, out_channels, 1],
-            &activated.device(),
+            (&activated.device(), activated.dtype()),
         ));
         Ok(SfneOutput {
             output: activated * channel_mask,
@@ -543,7 +543,7 @@ pub fn slow_neural_loss(kernels: &[Tensor<2>]) -> Result<Tensor<1>> {
         return Err(Error::NoBlocks);
     };
     let positions = first.dims()[1];
-    let mut loss = Tensor::<1>::zeros([1], &first.device());
+    let mut loss = Tensor::<1>::zeros([1], (&first.device(), first.dtype()));
     for (j, later) in kernels.iter().enumerate() {
         let [channels, found] = later.dims();
         if found != positions {

@@ -171,7 +171,9 @@ impl SlowNet {
         mut after_layer: impl FnMut(usize, Tensor<2>) -> Tensor<2>,
     ) -> Tensor<2> {
         let device = self.shared_bias.device();
-        let coordinates = self.coordinates(&device);
+        // In the parameters' float type (the grid is built in the device's default one).
+        let dtype = burn::tensor::FloatDType::from(self.shared_bias.val().dtype());
+        let coordinates = self.coordinates(&device).cast(dtype);
         let filter = |layer: &Linear| layer.forward(coordinates.clone()).sin();
         let points = self.shared_bias.dims()[0];
         let shared_bias = self.shared_bias.val().reshape([points, 1]);

@@ -1043,20 +1043,21 @@ mod kernels {
         }
     }
 
-    /// `z = α_g · s · xΦ + c` (`columns` entries) from the row's projection `xΦ`.
+    /// `z = α_g · s · xΦ + c` (`columns` entries) from the row's projection `xΦ`, in the
+    /// summing type `A`.
     #[cube]
     #[allow(clippy::too_many_arguments)]
-    fn logits<E: Float>(
-        projected: &Array<E>,
-        scale: E,
-        input_scale: E,
-        depth_scale: E,
-        residual_scale: E,
+    fn logits<E: Float, A: Float>(
+        projected: &Array<A>,
+        scale: A,
+        input_scale: A,
+        depth_scale: A,
+        residual_scale: A,
         bias: &Tensor<E>,
         #[comptime] n: usize,
         #[comptime] columns: usize,
-    ) -> Array<E> {
-        let mut z = Array::<E>::new(columns);
+    ) -> Array<A> {
+        let mut z = Array::<A>::new(columns);
         for c in 0..columns {
             let mut factor = residual_scale;
             if c < n {
@@ -1064,12 +1065,12 @@ mod kernels {
             } else if c < 2 * n {
                 factor = depth_scale;
             }
-            z[c] = factor * scale * projected[c] + bias[c];
+            z[c] = factor * scale * projected[c] + A::cast_from(bias[c]);
         }
         z
     }
 
-    /// `w = softmax(z[2n : 2n + m])` into `weights` (`m` entries).
+    /// `w = softmax(z[2n : 2n + m])` into `weights` (`m` entries), in `z`'s type.
     #[cube]
     fn mixture_weights<E: Float>(
         z: &Array<E>,
@@ -1098,17 +1099,17 @@ mod kernels {
     /// Scale `index` of the normalised form: entry `index` of `first` where the three are packed
     /// in one `[3]` tensor, else `own[0]`.
     #[cube]
-    fn scale_entry<E: Float>(
+    fn scale_entry<E: Float, A: Float>(
         first: &Tensor<E>,
         own: &Tensor<E>,
         #[comptime] index: usize,
         #[comptime] packed: bool,
-    ) -> E {
-        if comptime!(packed) {
-            first[index]
-        } else {
-            own[0]
+    ) -> A {
+        let mut value = first[index];
+        if comptime!(!packed) {
+            value = own[0];
         }
+        A::cast_from(value)
     }
 
     /// One cube per `threads / group` token rows (see [`RowTiles`]): their projections
@@ -1190,61 +1191,65 @@ mod kernels {
             // `xΦ` and `ρ = √(‖x‖² + c)`, kept for the backward, which then projects nothing
             // again (the root, not the sum of squares: in f16 a token of 4 × 768 entries of
             // RMS 5 has ‖x‖² past f16's largest).
-            let mut projected = Array::<E>::new(slots);
+            // The row's small work (logits, gates, the softmax mixture or Sinkhorn-Knopp) runs
+            // in the summing type from the stored (rounded) projection, as the backward's does:
+            // in f16 a mixture of 24 permutations or 20 Sinkhorn-Knopp iterations lose bits.
+            let mut projected = Array::<A>::new(slots);
             #[unroll]
             for c in 0..columns {
                 let value = E::cast_from(shared[at + c]);
-                projected[c] = value;
+                projected[c] = A::cast_from(value);
                 projection[row * slots + c] = value;
             }
             let root = E::cast_from(row_root::<A>(shared[at + columns], root_offset_bits));
-            projected[columns] = root;
+            projected[columns] = A::cast_from(root);
             projection[row * slots + columns] = root;
-            let scale = row_scale::<E>(root, numerator_bits, offset_bits, 0u32);
-            let z = logits::<E>(
+            let scale = row_scale::<A>(projected[columns], numerator_bits, offset_bits, 0u32);
+            let z = logits::<E, A>(
                 &projected,
                 scale,
-                input_scale[0],
-                scale_entry::<E>(input_scale, depth_scale, 1usize, packed_scales),
-                scale_entry::<E>(input_scale, residual_scale, 2usize, packed_scales),
+                A::cast_from(input_scale[0]),
+                scale_entry::<E, A>(input_scale, depth_scale, 1usize, packed_scales),
+                scale_entry::<E, A>(input_scale, residual_scale, 2usize, packed_scales),
                 bias,
                 n,
                 columns,
             );
             let base = row * comptime!((n + 2) * n);
             for k in 0..n {
-                table[base + k] = sigmoid::<E>(z[k]) + constant::<E>(input_offset_bits);
+                table[base + k] =
+                    E::cast_from(sigmoid::<A>(z[k]) + constant::<A>(input_offset_bits));
                 table[base + comptime!((n + 1) * n) + k] =
-                    constant::<E>(depth_factor_bits) * sigmoid::<E>(z[n + k]);
+                    E::cast_from(constant::<A>(depth_factor_bits) * sigmoid::<A>(z[n + k]));
             }
-            let mut matrix = Array::<E>::new(comptime!(n * n));
+            let mut matrix = Array::<A>::new(comptime!(n * n));
             if comptime!(mixtures > 0) {
-                let mut mix = Array::<E>::new(comptime!(mixtures.max(1)));
-                mixture_weights::<E>(&z, &mut mix, n, mixtures);
+                let mut mix = Array::<A>::new(comptime!(mixtures.max(1)));
+                mixture_weights::<A>(&z, &mut mix, n, mixtures);
                 for e in 0..comptime!(n * n) {
-                    let mut total = E::new(0.0);
+                    let mut total = A::new(0.0);
                     for p in 0..mixtures {
-                        total += mix[p] * matrices[p * comptime!(n * n) + e];
+                        total += mix[p] * A::cast_from(matrices[p * comptime!(n * n) + e]);
                     }
                     matrix[e] = total;
                 }
             } else {
-                let mut residual = Array::<E>::new(comptime!(n * n));
+                let mut residual = Array::<A>::new(comptime!(n * n));
                 for k in 0..comptime!(n * n) {
                     residual[k] = z[comptime!(2 * n) + k];
                 }
-                sinkhorn_forward::<E>(
+                sinkhorn_forward::<A>(
                     &residual,
                     &mut matrix,
                     n,
                     iterations,
-                    constant::<E>(epsilon_bits),
+                    constant::<A>(epsilon_bits),
                 );
             }
             // Row 1 + i holds column i of H_res (the weights that make unit i).
             for k in 0..n {
                 for i in 0..n {
-                    table[base + (1 + i) * n + k] = matrix[k * n + i];
+                    table[base + (1 + i) * n + k] = E::cast_from(matrix[k * n + i]);
                 }
             }
         }
@@ -1309,7 +1314,7 @@ mod kernels {
             tiles.shared
         });
         let mut shared = Shared::<[A]>::new_slice(shared_len);
-        let mut steps = Shared::<[E]>::new_slice(comptime!(rows_per_cube * per_row));
+        let mut steps = Shared::<[A]>::new_slice(comptime!(rows_per_cube * per_row));
         // The forward's `xΦ` and `ρ` come saved; only the products with the block input's
         // gradient, `⟨∂u, x_t[k]⟩`, need a pass over the rows first.
         let mut products = Array::<A>::new(n);
@@ -1330,52 +1335,53 @@ mod kernels {
         }
         let row = first + unit;
         if unit < rows_per_cube && row < tokens {
-            let mut projected = Array::<E>::new(slots);
+            // In the summing type, as the forward's (see `normalised_forward_kernel`).
+            let mut projected = Array::<A>::new(slots);
             #[unroll]
             for c in 0..slots {
-                projected[c] = projection[row * slots + c];
+                projected[c] = A::cast_from(projection[row * slots + c]);
             }
             let step_at = unit * per_row;
             let root = projected[columns];
-            let scale = row_scale::<E>(root, numerator_bits, offset_bits, 0u32);
-            let a_in = input_scale[0];
-            let a_depth = scale_entry::<E>(input_scale, depth_scale, 1usize, packed_scales);
-            let a_res = scale_entry::<E>(input_scale, residual_scale, 2usize, packed_scales);
-            let z = logits::<E>(&projected, scale, a_in, a_depth, a_res, bias, n, columns);
+            let scale = row_scale::<A>(root, numerator_bits, offset_bits, 0u32);
+            let a_in = A::cast_from(input_scale[0]);
+            let a_depth = scale_entry::<E, A>(input_scale, depth_scale, 1usize, packed_scales);
+            let a_res = scale_entry::<E, A>(input_scale, residual_scale, 2usize, packed_scales);
+            let z = logits::<E, A>(&projected, scale, a_in, a_depth, a_res, bias, n, columns);
             let base = row * comptime!((n + 2) * n);
             let out = row * comptime!(columns + 3);
-            let mut dz = Array::<E>::new(columns);
+            let mut dz = Array::<A>::new(columns);
             for k in 0..n {
-                let pre = sigmoid::<E>(z[k]);
-                let mut g = grad[base + k];
+                let pre = sigmoid::<A>(z[k]);
+                let mut g = A::cast_from(grad[base + k]);
                 if comptime!(with_input) {
-                    g += E::cast_from(products[k]);
+                    g += products[k];
                     steps[step_at + comptime!(columns + 1) + k] =
-                        pre + constant::<E>(input_offset_bits);
+                        pre + constant::<A>(input_offset_bits);
                 }
-                dz[k] = g * pre * (E::new(1.0) - pre);
-                let post = sigmoid::<E>(z[n + k]);
-                dz[n + k] = grad[base + comptime!((n + 1) * n) + k]
-                    * constant::<E>(depth_factor_bits)
+                dz[k] = g * pre * (A::new(1.0) - pre);
+                let post = sigmoid::<A>(z[n + k]);
+                dz[n + k] = A::cast_from(grad[base + comptime!((n + 1) * n) + k])
+                    * constant::<A>(depth_factor_bits)
                     * post
-                    * (E::new(1.0) - post);
+                    * (A::new(1.0) - post);
             }
-            let mut upstream = Array::<E>::new(comptime!(n * n));
+            let mut upstream = Array::<A>::new(comptime!(n * n));
             for k in 0..n {
                 for i in 0..n {
-                    upstream[k * n + i] = grad[base + (1 + i) * n + k];
+                    upstream[k * n + i] = A::cast_from(grad[base + (1 + i) * n + k]);
                 }
             }
             if comptime!(mixtures > 0) {
                 // ∂w_p = ⟨∂H, M_p⟩, then the softmax's ∂z_p = w_p (∂w_p − Σ_q w_q ∂w_q).
-                let mut mix = Array::<E>::new(comptime!(mixtures.max(1)));
-                mixture_weights::<E>(&z, &mut mix, n, mixtures);
-                let mut dmix = Array::<E>::new(comptime!(mixtures.max(1)));
-                let mut mean = E::new(0.0);
+                let mut mix = Array::<A>::new(comptime!(mixtures.max(1)));
+                mixture_weights::<A>(&z, &mut mix, n, mixtures);
+                let mut dmix = Array::<A>::new(comptime!(mixtures.max(1)));
+                let mut mean = A::new(0.0);
                 for p in 0..mixtures {
-                    let mut total = E::new(0.0);
+                    let mut total = A::new(0.0);
                     for e in 0..comptime!(n * n) {
-                        total += upstream[e] * matrices[p * comptime!(n * n) + e];
+                        total += upstream[e] * A::cast_from(matrices[p * comptime!(n * n) + e]);
                     }
                     dmix[p] = total;
                     mean += mix[p] * total;
@@ -1384,28 +1390,28 @@ mod kernels {
                     dz[comptime!(2 * n) + p] = mix[p] * (dmix[p] - mean);
                 }
             } else {
-                let mut residual = Array::<E>::new(comptime!(n * n));
+                let mut residual = Array::<A>::new(comptime!(n * n));
                 for k in 0..comptime!(n * n) {
                     residual[k] = z[comptime!(2 * n) + k];
                 }
-                let mut dres = Array::<E>::new(comptime!(n * n));
-                sinkhorn_backward::<E>(
+                let mut dres = Array::<A>::new(comptime!(n * n));
+                sinkhorn_backward::<A>(
                     &residual,
                     &upstream,
                     &mut dres,
                     n,
                     iterations,
-                    constant::<E>(epsilon_bits),
+                    constant::<A>(epsilon_bits),
                 );
                 for k in 0..comptime!(n * n) {
                     dz[comptime!(2 * n) + k] = dres[k];
                 }
             }
-            let mut sums = Array::<E>::new(3usize);
+            let mut sums = Array::<A>::new(3usize);
             for g in 0..3usize {
-                sums[g] = E::new(0.0);
+                sums[g] = A::new(0.0);
             }
-            let mut along = E::new(0.0);
+            let mut along = A::new(0.0);
             for c in 0..columns {
                 // Which of the three scales α_g multiplies column c.
                 let mut scalar = 2usize;
@@ -1418,24 +1424,25 @@ mod kernels {
                     factor = a_depth;
                 }
                 sums[scalar] += dz[c] * scale * projected[c];
-                partials[out + c] = dz[c];
+                partials[out + c] = E::cast_from(dz[c]);
                 let d = dz[c] * factor;
                 steps[step_at + c] = d;
-                scaled_grad[row * columns + c] = d * scale;
+                scaled_grad[row * columns + c] = E::cast_from(d * scale);
                 along += projected[c] * d;
             }
             for g in 0..3usize {
-                partials[out + columns + g] = sums[g];
+                partials[out + columns + g] = E::cast_from(sums[g]);
             }
-            let along = along * row_slope::<E>(root, scale, offset_bits, 0u32);
+            let along = along * row_slope::<A>(root, scale, offset_bits, 0u32);
             steps[step_at + columns] = along;
             steps[step_at + comptime!(columns + 1 + n)] = scale;
             if comptime!(given_product) {
                 let terms = row * comptime!(n + 1);
-                row_terms[terms] = along;
+                row_terms[terms] = E::cast_from(along);
                 if comptime!(with_input) {
                     for k in 0..n {
-                        row_terms[terms + 1 + k] = steps[step_at + comptime!(columns + 1) + k];
+                        row_terms[terms + 1 + k] =
+                            E::cast_from(steps[step_at + comptime!(columns + 1) + k]);
                     }
                 }
             }

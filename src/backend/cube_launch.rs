@@ -38,14 +38,28 @@ pub(crate) fn per_item(tensor: &CubeTensor, items: usize, threads: usize) -> (Cu
 /// weight's gradient over thousands of tokens), else the tensors' own type. Each sum then
 /// rounds once, where it is stored, as Burn's matmul and reductions do.
 pub(crate) fn float_types(dtype: DType) -> [ElemType; 2] {
-    let accumulator = match dtype {
-        DType::F16 | DType::BF16 if knobs().half_sums_in_f32 => DType::F32,
-        other => other,
-    };
     [
         dtype_to_storage_type(dtype),
-        dtype_to_storage_type(accumulator),
+        dtype_to_storage_type(summing_dtype(dtype)),
     ]
+}
+
+/// The type [`float_types`] sums `dtype`'s tensors in, as a tensor type: partial sums that one
+/// kernel leaves for another (per-cube sums of a gradient, reduced by [`column_sums`]) are
+/// stored in it, so that a half-precision gradient rounds once, not once per cube (a sum whose
+/// cubes' parts cancel lost most of its digits in f16: DWA's weights, 76× the composed ops').
+pub(crate) fn summing_dtype(dtype: DType) -> DType {
+    match dtype {
+        DType::F16 | DType::BF16 if knobs().half_sums_in_f32 => DType::F32,
+        other => other,
+    }
+}
+
+/// An uninitialised tensor of `shape` in the type `like`'s float type sums in
+/// ([`summing_dtype`]), on its device: a kernel's partial sums.
+pub(crate) fn empty_partials(like: &CubeTensor, shape: Shape) -> CubeTensor {
+    let dtype = summing_dtype(like.dtype);
+    empty_device_contiguous_dtype(like.client.clone(), like.device.clone(), shape, dtype)
 }
 
 /// A launch of one unit per element, for `len` elements on `like`'s device.
@@ -319,11 +333,21 @@ pub(crate) fn grid_stride(like: &CubeTensor, len: usize, slots: usize) -> (usize
     (threads, cubes)
 }
 
-/// `Σ_c partials[c, k]` for every column `k` of `partials [cubes, K]`: `[K]`, one small kernel,
-/// summed as [`float_types`] says.
-pub(crate) fn column_sums(partials: CubeTensor) -> CubeTensor {
+/// `Σ_c partials[c, k]` for every column `k` of `partials [cubes, K]`, stored in `dtype`'s
+/// summing type ([`summing_dtype`]): `[K]` in `dtype`, one small kernel.
+pub(crate) fn column_sums(partials: CubeTensor, dtype: DType) -> CubeTensor {
+    assert_eq!(
+        partials.dtype,
+        summing_dtype(dtype),
+        "partial sums are stored in the summing type"
+    );
     let columns = partials.meta.shape()[1];
-    let sums = empty(&partials, Shape::new([columns]));
+    let sums = empty_device_contiguous_dtype(
+        partials.client.clone(),
+        partials.device.clone(),
+        Shape::new([columns]),
+        dtype,
+    );
     let (count, dim) = per_element(&partials, columns);
     kernels::column_sums_kernel::launch(
         &partials.client,
@@ -331,7 +355,7 @@ pub(crate) fn column_sums(partials: CubeTensor) -> CubeTensor {
         dim,
         partials.clone().into_tensor_arg(),
         sums.clone().into_tensor_arg(),
-        float_types(partials.dtype),
+        float_types(dtype),
     );
     sums
 }
@@ -374,7 +398,7 @@ pub(crate) fn weights_product(rows: CubeTensor, scaled_grad: CubeTensor) -> Cube
         .div_ceil((PRODUCT_CUBES / column_cubes).max(1))
         .max(PRODUCT_ROWS);
     let chunks = count.div_ceil(chunk_rows).max(1);
-    let partials = empty(&rows, Shape::new([chunks, width * columns]));
+    let partials = empty_partials(&rows, Shape::new([chunks, width * columns]));
     kernels::weights_product_kernel::launch(
         &rows.client,
         CubeCount::Static((column_cubes * chunks) as u32, 1, 1),
@@ -388,7 +412,8 @@ pub(crate) fn weights_product(rows: CubeTensor, scaled_grad: CubeTensor) -> Cube
         rows_per_step,
         float_types(rows.dtype),
     );
-    Cube::float_reshape(column_sums(partials), Shape::new([width, columns]))
+    let sums = column_sums(partials, rows.dtype);
+    Cube::float_reshape(sums, Shape::new([width, columns]))
 }
 
 /// `(rows, width)` of a `[..., width]` tensor: its last axis and the rows before it.
@@ -918,7 +943,7 @@ pub(crate) mod kernels {
     pub(crate) fn weights_product_kernel<E: Float, A: Float>(
         rows: &Tensor<E>,
         scaled_grad: &Tensor<E>,
-        partials: &mut Tensor<E>,
+        partials: &mut Tensor<A>,
         chunk_rows: usize,
         #[comptime] columns: usize,
         #[comptime] column_cubes: usize,
@@ -970,14 +995,14 @@ pub(crate) mod kernels {
         let base = (chunk * width + j) * columns;
         #[unroll]
         for c in 0..columns {
-            partials[base + c] = E::cast_from(sums[c]);
+            partials[base + c] = sums[c];
         }
     }
 
     /// `sums[k] = Σ_c partials[c, k]`; one unit per column.
     #[cube(launch)]
     pub(crate) fn column_sums_kernel<E: Float, A: Float>(
-        partials: &Tensor<E>,
+        partials: &Tensor<A>,
         sums: &mut Tensor<E>,
         #[define(E, A)] _dtypes: [ElemType; 2],
     ) {
@@ -988,7 +1013,7 @@ pub(crate) mod kernels {
         }
         let mut total = A::new(0.0);
         for c in 0..partials.shape(0) {
-            total += A::cast_from(partials[c * columns + k]);
+            total += partials[c * columns + k];
         }
         sums[k] = E::cast_from(total);
     }

@@ -36,7 +36,8 @@ use cubecl::{CubeCount, CubeDim};
 use super::ALIGNED_BYTES;
 use super::autodiff::{cast_to, constant, tracked_op};
 use super::cube_launch::{
-    column_sums, empty, float_types, grid_stride, placeholder_spec, row_prefix,
+    column_sums, empty, empty_partials, float_types, grid_stride, placeholder_spec, row_prefix,
+    summing_dtype,
 };
 
 /// The scalar views (see the [module docs](self)).
@@ -305,7 +306,7 @@ impl ScaleChainBackend for CubeBackend {
                 Self::float_zeros(
                     Shape::new([cubes, entries]),
                     &grad.device,
-                    grad.dtype.into(),
+                    summing_dtype(grad.dtype).into(),
                 )
             });
             // One row per cube: every backward of the chain takes the first one's cube count.
@@ -317,7 +318,8 @@ impl ScaleChainBackend for CubeBackend {
         } else {
             placeholder()
         };
-        let partials = records.partials.clone().unwrap_or_else(placeholder);
+        let partials =
+            (records.partials.clone()).unwrap_or_else(|| empty_partials(&grad, Shape::new([1])));
         kernels::chain_backward_kernel::launch(
             &grad.client,
             CubeCount::Static(cubes as u32, 1, 1),
@@ -334,7 +336,7 @@ impl ScaleChainBackend for CubeBackend {
             float_types(grad.dtype),
         );
         let grad_values = if wanted.hand_over {
-            let sums = column_sums(partials);
+            let sums = column_sums(partials, grad.dtype);
             CubeTensor::new_contiguous(
                 sums.client,
                 sums.device,
@@ -452,7 +454,7 @@ mod kernels {
         stream: &Tensor<E>,
         grad: &Tensor<E>,
         grad_stream: &mut Tensor<E>,
-        partials: &mut Tensor<E>,
+        partials: &mut Tensor<A>,
         #[comptime] index: usize,
         #[comptime] stream_wanted: bool,
         #[comptime] values_wanted: bool,
@@ -480,7 +482,7 @@ mod kernels {
             let total = cube_total::<A>(dot, &mut shared);
             let at = CUBE_POS * partials.shape(1) + index;
             if unit == 0 {
-                partials[at] += E::cast_from(total);
+                partials[at] += total;
             }
         }
     }

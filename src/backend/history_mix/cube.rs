@@ -10,7 +10,8 @@ use cubecl::{CubeCount, CubeDim};
 use super::{History, HistoryMixBackend, Records, Wanted};
 use crate::backend::autodiff::cast_to;
 use crate::backend::cube_launch::{
-    Cube, column_sums, empty, float_types, grid_stride, per_element, row_prefix,
+    Cube, column_sums, empty, empty_partials, float_types, grid_stride, per_element, row_prefix,
+    summing_dtype,
 };
 use kernels::{backward_kernel, forward_kernel};
 
@@ -154,7 +155,8 @@ fn backward(
     let (threads, cubes) = grid_stride(&grad, len, 1 + later + orphans);
     if weights_wanted && storage.partials.is_none() {
         let shape = Shape::new([cubes, weight_count]);
-        storage.partials = Some(Cube::float_zeros(shape, &grad.device, grad.dtype.into()));
+        let dtype = summing_dtype(grad.dtype).into();
+        storage.partials = Some(Cube::float_zeros(shape, &grad.device, dtype));
     }
     let placeholder = || empty(&grad, Shape::new([1]));
     let grad_newest = if newest_wanted {
@@ -163,7 +165,8 @@ fn backward(
         placeholder()
     };
     let grads = storage.grads.clone().unwrap_or_else(placeholder);
-    let partials = storage.partials.clone().unwrap_or_else(placeholder);
+    let partials =
+        (storage.partials.clone()).unwrap_or_else(|| empty_partials(&grad, Shape::new([1])));
     backward_kernel::launch(
         &grad.client,
         CubeCount::Static(cubes as u32, 1, 1),
@@ -186,7 +189,7 @@ fn backward(
     );
     // The first tracked mix's backward is the last to run: the partial sums are complete.
     let grad_weights = if wanted.hand_over {
-        let sums = column_sums(partials);
+        let sums = column_sums(partials, grad.dtype);
         CubeTensor::new_contiguous(
             sums.client,
             sums.device,
@@ -280,7 +283,7 @@ mod kernels {
         weights: &Tensor<E>,
         table: &Tensor<u32>,
         grad_newest: &mut Tensor<E>,
-        partials: &mut Tensor<E>,
+        partials: &mut Tensor<A>,
         #[comptime] slot: usize,
         #[comptime] later: usize,
         #[comptime] orphans: usize,
@@ -340,13 +343,13 @@ mod kernels {
             }
             sync_cube();
             sum_over_cube::<A>(&mut shared, slots);
-            // One unit adds them: two terms may share a position. Each cube's sum rounds to
-            // the tensors' type once, where it is stored; `column_sums` adds the cubes' in `A`.
+            // One unit adds them: two terms may share a position. The cubes' sums stay in `A`
+            // (`summing_dtype`) for `column_sums`, which rounds each total once.
             if unit == 0 {
                 let row = CUBE_POS * partials.shape(1);
-                partials[row + table[0] as usize] += E::cast_from(shared[0]);
+                partials[row + table[0] as usize] += shared[0];
                 for j in 0..comptime!(later + orphans) {
-                    partials[row + table[2 * j + 2] as usize] += E::cast_from(shared[j + 1]);
+                    partials[row + table[2 * j + 2] as usize] += shared[j + 1];
                 }
             }
         }

@@ -46,8 +46,8 @@ pub(crate) fn float_types(dtype: DType) -> [ElemType; 2] {
 
 /// The type [`float_types`] sums `dtype`'s tensors in, as a tensor type: partial sums that one
 /// kernel leaves for another (per-cube sums of a gradient, reduced by [`column_sums`]) are
-/// stored in it, so that a half-precision gradient rounds once, not once per cube (a sum whose
-/// cubes' parts cancel lost most of its digits in f16: DWA's weights, 76× the composed ops').
+/// stored in it, so that a half-precision gradient rounds once, not once per cube (where the
+/// cubes' parts cancel, each part's rounding is a large share of the total).
 pub(crate) fn summing_dtype(dtype: DType) -> DType {
     match dtype {
         DType::F16 | DType::BF16 if knobs().half_sums_in_f32 => DType::F32,

@@ -104,8 +104,8 @@ fn epsilon(norm: &LayerNorm) -> Option<f64> {
 }
 
 /// `γ`, `β` and `ε` of `norm` where [`layer_norm`] runs the fused op: Flex, LibTorch or CubeCL
-/// under autodiff, a bias, input and parameters of one float type (f32 or f64; f32 on CubeCL,
-/// whose kernels sum in the stored type), of matching width; on CubeCL an input whose entries
+/// under autodiff, a bias, input and parameters of one float type (f32 or f64; on CubeCL f32,
+/// f16 or bf16, whose kernel sums half types in f32), of matching width; on CubeCL an input whose entries
 /// [`indexes_in_32_bits`](super::indexes_in_32_bits).
 fn fused_parts<const D: usize>(
     norm: &LayerNorm,
@@ -121,7 +121,7 @@ fn fused_parts<const D: usize>(
     let dtype = input.dtype();
     let (gamma, beta) = (norm.gamma.val(), norm.beta.as_ref()?.val());
     let float_type = if cube {
-        dtype == DType::F32
+        matches!(dtype, DType::F32 | DType::F16 | DType::BF16)
     } else {
         matches!(dtype, DType::F32 | DType::F64)
     };
@@ -305,6 +305,53 @@ mod tests {
         let wgpu = crate::device::device("wgpu").unwrap();
         for shape in [[70, 27], [40, 300], [550, 96]] {
             fused_matches_burns(&wgpu, DType::F32, shape, 1e-4, |run| run());
+        }
+    }
+
+    /// In f16 on wgpu the kernel sums in f32 and rounds each result once: `∂x`, `∂γ` and `∂β`
+    /// are within 16 of f16's unit roundoffs of the f32 op's (relative to each tensor's
+    /// largest entry), on 1650 rows whose `∂γ` and `∂β` sums cancel (random weights). A kernel
+    /// that read a half tensor as f32, or summed the wrong rows, is off by far more.
+    #[cfg(feature = "wgpu")]
+    #[test]
+    fn kernels_in_f16_are_as_close_to_f32_as_f16_allows() {
+        let device = crate::device::device("wgpu").unwrap().autodiff();
+        let [rows, width] = [550, 96];
+        let norm = norm_with_random_affine(&device, DType::F32, width);
+        let x = Tensor::<3>::random([3, rows, width], Distribution::Normal(1.0, 2.0), &device);
+        let weights =
+            Tensor::<3>::random([3, rows, width], Distribution::Normal(0.0, 1.0), &device);
+        let run = |dtype: DType| {
+            // Leaves in `dtype`, made from data: a cast under autodiff is not a leaf.
+            let cast = |param: &Param<Tensor<1>>| {
+                Param::from_tensor(Tensor::from_data(param.val().to_data(), (&device, dtype)))
+            };
+            let mut norm = norm.clone();
+            norm.gamma = cast(&norm.gamma);
+            norm.beta = norm.beta.as_ref().map(cast);
+            let x = Tensor::<3>::from_data(x.to_data(), (&device, dtype)).require_grad();
+            assert_eq!(x.dtype(), dtype);
+            assert!(fused_parts(&norm, &x).is_some(), "{dtype:?}");
+            let y = layer_norm(&norm, x.clone());
+            let grads = (y * weights.clone().cast(dtype)).sum().backward();
+            let beta = norm.beta.as_ref().expect("a bias");
+            [
+                x.grad(&grads).expect("∂x"),
+                norm.gamma.grad(&grads).expect("∂γ").unsqueeze(),
+                beta.grad(&grads).expect("∂β").unsqueeze(),
+            ]
+            .map(|grad| grad.cast(DType::F32).into_data().to_vec::<f32>().unwrap())
+        };
+        let exact = run(DType::F32);
+        let half = run(DType::F16);
+        for (name, (half, exact)) in ["∂x", "∂γ", "∂β"].iter().zip(half.iter().zip(&exact))
+        {
+            let scale = exact.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+            let error = half
+                .iter()
+                .zip(exact)
+                .fold(0.0f32, |m, (h, e)| m.max((h - e).abs()));
+            assert!(error <= 16.0 / 2048.0 * scale, "{name}: {error} of {scale}");
         }
     }
 

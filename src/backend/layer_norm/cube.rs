@@ -8,18 +8,20 @@
 //! the squares of the centred values: the two-pass variance of Burn's forward) for `μ` and `r`,
 //! sums `g = ∂y γ` and `g x̂`, writes `∂x = r (g − mean(g) − x̂ mean(g x̂))`, and adds `∂y x̂` and
 //! `∂y` into per-unit registers for the columns it owns. The cube's registers end as one row of
-//! a `[cubes, 2 d]` table, which Burn's `sum_dim` reduces to `[∂γ | ∂β]`. Composed, Burn's
+//! a `[cubes, 2 d]` table, which `column_sums` reduces to `[∂γ | ∂β]`. Every sum is in the
+//! summing type (f32 for half types), the table too, so each of `∂γ`, `∂β` rounds once. Composed, Burn's
 //! autodiff launches about 20 full-size kernels for a LayerNorm's backward on CubeCL (its
 //! backward passes do not fuse).
 
-use burn::backend::cubecl::dtype_to_storage_type;
 use burn::backend::ops::{FloatTensorOps, ModuleOps};
 use burn::backend::tensor::FloatTensor;
 use burn::tensor::Shape;
 use burn_cubecl::kernel::into_contiguous;
 
 use super::LayerNormBackend;
-use crate::backend::cube_launch::{Cube, empty, per_item, row_prefix, threads_for};
+use crate::backend::cube_launch::{
+    Cube, column_sums, empty, empty_partials, float_types, per_item, row_prefix, threads_for,
+};
 use crate::backend::kernel_constant;
 use kernels::layer_norm_backward_kernel;
 
@@ -72,7 +74,7 @@ impl LayerNormBackend for Cube {
         let rows_per_cube = rows.div_ceil(MOST_BACKWARD_CUBES).max(1);
         let cube_count = rows.div_ceil(rows_per_cube).max(1);
         let grad_x = empty(&x, Shape::new([rows, width]));
-        let partials = empty(&x, Shape::new([cube_count, 2 * width]));
+        let partials = empty_partials(&x, Shape::new([cube_count, 2 * width]));
         let (cubes, dim) = per_item(&x, cube_count, threads);
         layer_norm_backward_kernel::launch(
             &x.client,
@@ -89,10 +91,10 @@ impl LayerNormBackend for Cube {
             width.div_ceil(threads),
             kernel_constant(epsilon),
             kernel_constant(1.0 / width as f64),
-            dtype_to_storage_type(x.dtype),
+            float_types(x.dtype),
         );
         // `[∂γ | ∂β]` as the two rows of a `[2, d]` table; each row a view where aligned.
-        let sums = Cube::float_reshape(Cube::float_sum_dim(partials, 0), Shape::new([2, width]));
+        let sums = Cube::float_reshape(column_sums(partials, x.dtype), Shape::new([2, width]));
         let grad_gamma = row_prefix(sums.clone(), 0, width);
         let grad_beta = row_prefix(sums, 1, width);
         (Cube::float_reshape(grad_x, shape), grad_gamma, grad_beta)
@@ -104,57 +106,58 @@ mod kernels {
 
     use crate::backend::cube_launch::kernels::{constant, cube_total, cube_totals};
 
-    /// `(μ, r)` of row `row` of `x [R, d]`, `r = 1/√(var + ε)`, summed over the cube in
+    /// `(μ, r)` of row `row` of `x [R, d]`, `r = 1/√(var + ε)`, summed in `A` over the cube in
     /// `shared` (at least `threads` entries; free again on return).
     #[cube]
-    fn row_moments<E: Float>(
+    fn row_moments<E: Float, A: Float>(
         x: &Tensor<E>,
         row: usize,
-        shared: &mut Shared<[E]>,
+        shared: &mut Shared<[A]>,
         #[comptime] width: usize,
         #[comptime] threads: usize,
         #[comptime] epsilon_bits: u32,
         #[comptime] inverse_width_bits: u32,
-    ) -> (E, E) {
+    ) -> (A, A) {
         let unit = UNIT_POS as usize;
         let base = row * width;
-        let inverse_width = constant::<E>(inverse_width_bits);
-        let mut sum = E::new(0.0);
+        let inverse_width = constant::<A>(inverse_width_bits);
+        let mut sum = A::new(0.0);
         let mut j = unit;
         while j < width {
-            sum += x[base + j];
+            sum += A::cast_from(x[base + j]);
             j += threads;
         }
-        let mean = cube_total::<E>(sum, shared) * inverse_width;
-        let mut squares = E::new(0.0);
+        let mean = cube_total::<A>(sum, shared) * inverse_width;
+        let mut squares = A::new(0.0);
         let mut j = unit;
         while j < width {
-            let centred = x[base + j] - mean;
+            let centred = A::cast_from(x[base + j]) - mean;
             squares += centred * centred;
             j += threads;
         }
-        let variance = cube_total::<E>(squares, shared) * inverse_width;
-        let inverse_deviation = E::new(1.0) / (variance + constant::<E>(epsilon_bits)).sqrt();
+        let variance = cube_total::<A>(squares, shared) * inverse_width;
+        let inverse_deviation = A::new(1.0) / (variance + constant::<A>(epsilon_bits)).sqrt();
         (mean, inverse_deviation)
     }
 
     /// `∂x` of rows `c·k .. (c + 1)·k` of `x [R, d]` for cube `c` (`k = rows_per_cube`), and the
-    /// cube's sums of `∂y x̂` and `∂y` over those rows as row `c` of `partials [cubes, 2 d]`.
+    /// cube's sums of `∂y x̂` and `∂y` over those rows as row `c` of `partials [cubes, 2 d]`, in
+    /// the summing type `A` like every sum here.
     #[cube(launch)]
     #[allow(clippy::too_many_arguments)]
-    pub(super) fn layer_norm_backward_kernel<E: Float>(
+    pub(super) fn layer_norm_backward_kernel<E: Float, A: Float>(
         x: &Tensor<E>,
         gamma: &Tensor<E>,
         grad: &Tensor<E>,
         grad_x: &mut Tensor<E>,
-        partials: &mut Tensor<E>,
+        partials: &mut Tensor<A>,
         rows_per_cube: usize,
         #[comptime] width: usize,
         #[comptime] threads: usize,
         #[comptime] per_unit: usize,
         #[comptime] epsilon_bits: u32,
         #[comptime] inverse_width_bits: u32,
-        #[define(E)] _dtype: ElemType,
+        #[define(E, A)] _dtypes: [ElemType; 2],
     ) {
         let cube = CUBE_POS;
         if cube >= partials.shape(0) {
@@ -162,14 +165,14 @@ mod kernels {
         }
         let rows = x.shape(0);
         let unit = UNIT_POS as usize;
-        let inverse_width = constant::<E>(inverse_width_bits);
-        let mut shared = Shared::<[E]>::new_slice(comptime!(2 * threads));
+        let inverse_width = constant::<A>(inverse_width_bits);
+        let mut shared = Shared::<[A]>::new_slice(comptime!(2 * threads));
         // The columns `unit + k·threads` are this unit's: their `Σ ∂y x̂` and `Σ ∂y`.
-        let mut sum_gamma = Array::<E>::new(per_unit);
-        let mut sum_beta = Array::<E>::new(per_unit);
+        let mut sum_gamma = Array::<A>::new(per_unit);
+        let mut sum_beta = Array::<A>::new(per_unit);
         for k in 0..per_unit {
-            sum_gamma[k] = E::new(0.0);
-            sum_beta[k] = E::new(0.0);
+            sum_gamma[k] = A::new(0.0);
+            sum_beta[k] = A::new(0.0);
         }
         let first = cube * rows_per_cube;
         let mut last = first + rows_per_cube;
@@ -177,7 +180,7 @@ mod kernels {
             last = rows;
         }
         for row in first..last {
-            let (mean, inverse_deviation) = row_moments::<E>(
+            let (mean, inverse_deviation) = row_moments::<E, A>(
                 x,
                 row,
                 &mut shared,
@@ -187,29 +190,30 @@ mod kernels {
                 inverse_width_bits,
             );
             let base = row * width;
-            let mut sum_g = E::new(0.0);
-            let mut sum_g_normed = E::new(0.0);
+            let mut sum_g = A::new(0.0);
+            let mut sum_g_normed = A::new(0.0);
             for k in 0..per_unit {
                 let j = unit + k * threads;
                 if j < width {
-                    let normed = (x[base + j] - mean) * inverse_deviation;
-                    let upstream = grad[base + j];
-                    let g = upstream * gamma[j];
+                    let normed = (A::cast_from(x[base + j]) - mean) * inverse_deviation;
+                    let upstream = A::cast_from(grad[base + j]);
+                    let g = upstream * A::cast_from(gamma[j]);
                     sum_g += g;
                     sum_g_normed += g * normed;
                     sum_gamma[k] += upstream * normed;
                     sum_beta[k] += upstream;
                 }
             }
-            let (total_g, total_g_normed) = cube_totals::<E>(sum_g, sum_g_normed, &mut shared);
+            let (total_g, total_g_normed) = cube_totals::<A>(sum_g, sum_g_normed, &mut shared);
             let mean_g = total_g * inverse_width;
             let mean_g_normed = total_g_normed * inverse_width;
             for k in 0..per_unit {
                 let j = unit + k * threads;
                 if j < width {
-                    let normed = (x[base + j] - mean) * inverse_deviation;
-                    let g = grad[base + j] * gamma[j];
-                    grad_x[base + j] = inverse_deviation * (g - mean_g - normed * mean_g_normed);
+                    let normed = (A::cast_from(x[base + j]) - mean) * inverse_deviation;
+                    let g = A::cast_from(grad[base + j]) * A::cast_from(gamma[j]);
+                    let slope = inverse_deviation * (g - mean_g - normed * mean_g_normed);
+                    grad_x[base + j] = E::cast_from(slope);
                 }
             }
         }

@@ -602,7 +602,7 @@ const F16_ROUNDOFF: f32 = 1.0 / 2048.0;
 /// the DepthLN strengths' (`[1]`, summed over every entry of the batch) were 8e-4 to 1.7e-2 in
 /// the composed form and 2e-3 to 1.5e-2 through the kernels for H-ACN's six blocks, and one of
 /// DWA's was 1.1e-4 composed, 8.0e-3 through the kernels, while its class reached 2.3e-3
-/// composed. Tensors the composed form computes worse than 64 roundoffs are gradients that
+/// composed (seed 13, before LayerNorm's kernel took f16). Tensors the composed form computes worse than 64 roundoffs are gradients that
 /// cancel outright, such as the `α` of mHC at init, far off in any half-precision form; f16 on
 /// Flex can overflow (DeepSeek-V4's composed form), so it is the reference and not checked
 /// itself. What this catches: a kernel that reads a tensor made in the device's default float

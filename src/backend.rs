@@ -91,6 +91,20 @@ pub(crate) fn kernel_constant(value: f64) -> u32 {
     (value as f32).to_bits()
 }
 
+/// The float type that Sinkhorn-Knopp and the composed row scales run in: f32 for f16 and bf16
+/// tensors, else the tensor's own. In f16 a row's `‖x‖²` passes the largest value
+/// (65504) at `‖x‖ > 256`, mHC's row scale `1/ε` is 10⁶ for a zero row, and a division's
+/// gradient `−∂y·a/b²` overflows where `b` is Sinkhorn-Knopp's sum of a nearly empty column;
+/// in bf16 each of them keeps 8 bits. These are small tensors (`[T, 1]`, `[T, n²]`): the casts
+/// cost little beside the projection they scale.
+pub(crate) fn exact_float(dtype: burn::tensor::DType) -> burn::tensor::FloatDType {
+    use burn::tensor::{DType, FloatDType};
+    match dtype {
+        DType::F16 | DType::BF16 => FloatDType::F32,
+        other => other.into(),
+    }
+}
+
 /// Whether `device` (or the device under its autodiff layer) is a Flex device.
 pub(crate) fn is_flex(device: &Device) -> bool {
     #[cfg(feature = "flex")]

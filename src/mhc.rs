@@ -58,7 +58,8 @@ pub const MHC_EPS: f64 = 1e-6;
 ///
 /// The result is a (nearly) doubly stochastic matrix: exactly column-stochastic up to `ε`, rows
 /// closer to 1 with every iteration. Differentiable (the gradient flows through every
-/// iteration).
+/// iteration). f16 and bf16 logits are normalised in f32 and the result rounded once to their
+/// type (in f16 the divisions' gradients overflow where a column is nearly empty).
 ///
 /// # Errors
 /// [`Error::OutOfRange`] for zero iterations, [`Error::ShapeMismatch`] unless `D >= 2` and the
@@ -85,6 +86,13 @@ pub(crate) fn sinkhorn_unchecked<const D: usize>(
     logits: Tensor<D>,
     iterations: usize,
 ) -> Tensor<D> {
+    // In f32 for half types, the fused op's too: in f16 the divisions' gradients overflow where
+    // a column is nearly empty (see `exact_float`).
+    let dtype = logits.dtype();
+    let exact = crate::backend::exact_float(dtype);
+    if exact != dtype.into() {
+        return sinkhorn_unchecked(logits.cast(exact), iterations).cast(dtype);
+    }
     // CubeCL and Flex devices: every iteration in one op (and one for the backward).
     #[cfg(any(feature = "cube-kernels", feature = "flex"))]
     if crate::backend::has_fused_sinkhorn(&logits) {
@@ -522,6 +530,54 @@ mod tests {
         OnDevice, WIDTH, assert_checkpointing_keeps_gradients, assert_close, blocks, gradient,
         input, input_gradient, residual_loop,
     };
+
+    /// Sinkhorn-Knopp in f16 and bf16 runs in f32 (on Flex the fused op): for peaked logits (std 8: most rows of
+    /// the softmax nearly one-hot, so that some columns are nearly empty) its values and
+    /// gradients come within 16 of the type's unit roundoffs of the f32 ones (relative to each
+    /// result's largest entry). In f16 itself (the composed form on Flex) the divisions'
+    /// gradients (`−∂y·a/b²`, `b` a column's sum near ε) overflowed, and DeepSeek-V4's every
+    /// gradient before its last block was infinite.
+    #[test]
+    fn sinkhorn_in_half_precision_runs_in_f32() {
+        use burn::tensor::DType;
+        let device = Device::flex().autodiff();
+        let (batch, n) = (64, 4);
+        let logits = Tensor::<3>::random([batch, n, n], Distribution::Normal(0.0, 8.0), &device);
+        let weights = Tensor::<3>::random([batch, n, n], Distribution::Normal(0.0, 1.0), &device);
+        let run = |dtype: DType| {
+            let leaf = Tensor::<3>::from_data(logits.to_data(), (&device, dtype)).require_grad();
+            let output = sinkhorn_unchecked(leaf.clone(), 20);
+            assert_eq!(output.dtype(), dtype);
+            let grads = (output.clone() * weights.clone().cast(dtype))
+                .sum()
+                .backward();
+            [output.detach().inner(), leaf.grad(&grads).expect("∂logits")].map(|tensor| {
+                let data = tensor.cast(DType::F32).into_data();
+                data.try_to_vec::<f32>().expect("f32 data")
+            })
+        };
+        let exact = run(DType::F32);
+        for (dtype, roundoff) in [(DType::F16, 2f32.powi(-11)), (DType::BF16, 2f32.powi(-8))] {
+            for (name, (half, exact)) in ["M", "∂L"].iter().zip(run(dtype).iter().zip(&exact)) {
+                let largest = exact.iter().fold(0.0f32, |top, v| top.max(v.abs()));
+                let worst = half.iter().zip(exact).fold(0.0f32, |top, (h, e)| {
+                    top.max(if h.is_finite() {
+                        (h - e).abs()
+                    } else {
+                        f32::INFINITY
+                    })
+                });
+                eprintln!(
+                    "{dtype:?} {name}: {:e} roundoffs",
+                    worst / largest / roundoff
+                );
+                assert!(
+                    worst <= 16.0 * roundoff * largest,
+                    "{dtype:?}, {name}: {worst:e} of {largest:e}"
+                );
+            }
+        }
+    }
 
     /// The connection-table kernel (one kernel forward with Sinkhorn-Knopp inside, three
     /// backward) against the composed connections on wgpu, values and every gradient: several

@@ -593,29 +593,32 @@ fn half_precision_errors<M: Module>(
 const F16_ROUNDOFF: f32 = 1.0 / 2048.0;
 
 /// A stack of `config` at `width`, its f32 weights cast to half precision: on Flex in bf16 and
-/// f16 (the composed forms) and on wgpu in f16 (the crate's kernels where it is compiled in).
-/// Every readout and gradient is finite in bf16 on Flex and in f16 on wgpu, and each tensor on
-/// wgpu that the composed f16 form computes to 64 of f16's unit roundoffs is within 16× the
-/// composed form's error on its class (the tensors of its shape: the readouts, or one parameter
-/// of every block), or 16 roundoffs; errors are relative to the tensor's largest entry. A class
-/// and not the tensor alone, because where a gradient sums terms that cancel its error is luck:
-/// the DepthLN strengths' (`[1]`, summed over every entry of the batch) were 8e-4 to 1.7e-2 in
-/// the composed form and 2e-3 to 1.5e-2 through the kernels for H-ACN's six blocks, and one of
-/// DWA's was 1.1e-4 composed, 8.0e-3 through the kernels, while its class reached 2.3e-3
-/// composed (seed 13, before LayerNorm's kernel took f16). Tensors the composed form computes worse than 64 roundoffs are gradients that
-/// cancel outright, such as the `α` of mHC at init, far off in any half-precision form; f16 on
-/// Flex can overflow (DeepSeek-V4's composed form), so it is the reference and not checked
-/// itself. What this catches: a kernel that reads a tensor made in the device's default float
-/// type as f16 (ANCRe's mask, once: every coefficient wrong), a composed form that mixes float
-/// types (Burn panics), Burn's f16-less CubeCL FFT.
-fn assert_half_precision_close<C>(name: &str, config: &C, width: usize)
+/// f16 (the composed forms) and on wgpu in f16 (the crate's kernels where it is compiled in),
+/// for inputs of RMS `input_scale`. Every readout and gradient is finite in bf16 and f16 on
+/// Flex and in f16 on wgpu, and each tensor on wgpu that the composed f16 form computes to 64
+/// of f16's unit roundoffs is within 16× the composed form's error on its class (the tensors of
+/// its shape: the readouts, or one parameter of every block), or 16 roundoffs; errors are
+/// relative to the tensor's largest entry. A class and not the tensor alone, because where a
+/// gradient sums terms that cancel its error is luck: the DepthLN strengths' (`[1]`, summed
+/// over every entry of the batch) were 8e-4 to 1.7e-2 in the composed form and 2e-3 to 1.5e-2
+/// through the kernels for H-ACN's six blocks, and one of DWA's was 1.1e-4 composed, 8.0e-3
+/// through the kernels, while its class reached 2.3e-3 composed (seed 13, before LayerNorm's
+/// kernel took f16). Tensors the composed form computes worse than 64 roundoffs are gradients
+/// that cancel outright, such as the `α` of mHC at init, far off in any half-precision form.
+/// What this catches: a kernel that reads a tensor made in the device's default float type as
+/// f16 (ANCRe's mask, once: every coefficient wrong), a composed form that mixes float types
+/// (Burn panics) or overflows f16 (Sinkhorn-Knopp's, once: DeepSeek-V4's gradients infinite),
+/// Burn's f16-less CubeCL FFT, and, at a large `input_scale`, a sum of squares kept in f16 (the
+/// LayerNorm forward on CubeCL, once: its output `β` for rows of RMS past 23 at width 128,
+/// DeepSeek-V4's block gradients off by 0.2 to 0.6 at input RMS 32).
+fn assert_half_precision_close<C>(name: &str, config: &C, width: usize, input_scale: f64)
 where
     C: ConnectivityConfig,
     C::Connectivity: StreamConnectivity<3>,
 {
     let flex = Device::flex().autodiff();
     let reference = stack_of_width(config, BLOCKS, width, &flex);
-    let input = Tensor::<3>::random([2, 5, width], Distribution::Normal(0.0, 1.0), &flex);
+    let input = Tensor::<3>::random([2, 5, width], Distribution::Normal(0.0, input_scale), &flex);
     let probe = Tensor::<3>::random([2, 5, width], Distribution::Normal(0.0, 1.0), &flex);
     let inputs = (&input, &probe);
     let (values, gradients) = readouts_and_gradients(&reference, &Stack::readout, &input, &probe);
@@ -625,13 +628,16 @@ where
     };
     let brain_float = errors(FloatDType::BF16, &flex);
     let composed = errors(FloatDType::F16, &flex);
-    assert!(
-        brain_float.iter().all(|error| error.is_finite()),
-        "bf16 on Flex: {brain_float:?}"
-    );
+    let case = format!("{name} at input RMS {input_scale}");
+    for (dtype, errors) in [("bf16", &brain_float), ("f16", &composed)] {
+        assert!(
+            errors.iter().all(|error| error.is_finite()),
+            "{case}, {dtype} on Flex: {errors:?}"
+        );
+    }
     let worst = |errors: &[f32]| errors.iter().copied().fold(0.0f32, f32::max);
     eprintln!(
-        "{name} on flex: bf16 {:e}, f16 {:e} at worst",
+        "{case} on flex: bf16 {:e}, f16 {:e} at worst",
         worst(&brain_float),
         worst(&composed)
     );
@@ -640,7 +646,7 @@ where
             continue;
         }
         let kernels = errors(FloatDType::F16, &device.autodiff());
-        eprintln!("{name} on wgpu: f16 {:e} at worst", worst(&kernels));
+        eprintln!("{case} on wgpu: f16 {:e} at worst", worst(&kernels));
         let compared = |composed: f32| composed <= 64.0 * F16_ROUNDOFF;
         let class_error = |index: usize| {
             let shape = exact[index].shape();
@@ -652,39 +658,46 @@ where
             let bound = (16.0 * class_error(index)).max(16.0 * F16_ROUNDOFF);
             assert!(
                 kernel.is_finite() && (!compared(*composed) || *kernel <= bound),
-                "{name}: tensor {index} (readouts, then gradients) in f16 on wgpu is {kernel:e} of its \
-                 scale from f32, on Flex {composed:e}, its class {:e}",
+                "{case}: tensor {index} (readouts, then gradients) in f16 on wgpu is {kernel:e} \
+                 of its scale from f32, on Flex {composed:e}, its class {:e}",
                 class_error(index)
             );
         }
     }
 }
 
+/// Every family at input RMS 1 and 32 (rows of 512 stream entries then have `‖x‖² ≈ 5·10⁵`,
+/// and the blocks' LayerNorms rows of RMS up to about 100).
 #[test]
 fn every_connectivity_runs_in_half_precision() {
     let _draws = seeded(13);
     let width = ALIGNED_WIDTH;
-    assert_half_precision_close("hacn", &HacnConfig::new(), width);
-    assert_half_precision_close("ancre", &AncreConfig::new(), width);
-    assert_half_precision_close("dwa", &DenseFormerConfig::new(), width);
-    assert_half_precision_close("hc", &HyperConnectionsConfig::new(width), width);
-    assert_half_precision_close(
-        "frac",
-        &HyperConnectionsConfig::new(width)
-            .with_streams(2)
-            .with_fractions(2),
-        width,
-    );
-    assert_half_precision_close("mhc", &MhcConfig::new(width).with_phi_std(0.1), width);
-    assert_half_precision_close("attnres", &AttentionResidualsConfig::new(width), width);
-    assert_half_precision_close(
-        "block attnres",
-        &AttentionResidualsConfig::new(width).with_block_size(2),
-        width,
-    );
-    assert_half_precision_close("v4", &MhcV4Config::new(width).with_init_std(0.3), width);
-    assert_half_precision_close("laurel", &LaurelConfig::rw_lr_pa(width, 4, 2), width);
-    assert_half_precision_close("mudd", &MuddConfig::multiway(width), width);
-    assert_half_precision_close("lite", &MhcLiteConfig::new(width).with_phi_std(0.3), width);
-    assert_half_precision_close("hyperzzw", &hyperzzw(), WIDTH);
+    for scale in [1.0, 32.0] {
+        assert_half_precision_close("hacn", &HacnConfig::new(), width, scale);
+        assert_half_precision_close("ancre", &AncreConfig::new(), width, scale);
+        assert_half_precision_close("dwa", &DenseFormerConfig::new(), width, scale);
+        assert_half_precision_close("hc", &HyperConnectionsConfig::new(width), width, scale);
+        assert_half_precision_close(
+            "frac",
+            &HyperConnectionsConfig::new(width)
+                .with_streams(2)
+                .with_fractions(2),
+            width,
+            scale,
+        );
+        let mhc = MhcConfig::new(width).with_phi_std(0.1);
+        assert_half_precision_close("mhc", &mhc, width, scale);
+        let attnres = AttentionResidualsConfig::new(width);
+        assert_half_precision_close("attnres", &attnres, width, scale);
+        let block_attnres = AttentionResidualsConfig::new(width).with_block_size(2);
+        assert_half_precision_close("block attnres", &block_attnres, width, scale);
+        let v4 = MhcV4Config::new(width).with_init_std(0.3);
+        assert_half_precision_close("v4", &v4, width, scale);
+        let laurel = LaurelConfig::rw_lr_pa(width, 4, 2);
+        assert_half_precision_close("laurel", &laurel, width, scale);
+        assert_half_precision_close("mudd", &MuddConfig::multiway(width), width, scale);
+        let lite = MhcLiteConfig::new(width).with_phi_std(0.3);
+        assert_half_precision_close("lite", &lite, width, scale);
+        assert_half_precision_close("hyperzzw", &hyperzzw(), WIDTH, scale);
+    }
 }

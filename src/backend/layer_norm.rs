@@ -15,11 +15,12 @@
 //! - Flex ([`flex`]): Flex's own fused forward, and a backward that recomputes `μ`, `r`, `x̂` row
 //!   by row and writes `∂x` in one pass, summing `∂γ`, `∂β` on the way.
 //! - LibTorch ([`libtorch`]): PyTorch's LayerNorm forward and backward.
-//! - CubeCL ([`cube`], f32, f16 and bf16, summing in f32): Burn's composed forward, which the fusion engine merges with the
-//!   ops around it (a kernel of its own would stop the elementwise ops before it from joining
-//!   the norm's reductions); backward one kernel over the rows and one reduction of its
-//!   partial sums of `∂γ`, `∂β`. Composed, the backward launched about 20 full-size kernels per
-//!   norm (CubeCL's backward passes do not fuse).
+//! - CubeCL ([`cube`], f32, f16 and bf16, summing in f32): Burn's composed forward (for f16 in
+//!   f32, as burn-nn's `LayerNorm` takes it), which the fusion engine merges with the ops
+//!   around it (a kernel of its own would stop the elementwise ops before it from joining the
+//!   norm's reductions); backward one kernel over the rows and one reduction of its partial
+//!   sums of `∂γ`, `∂β`. Composed, the backward launched about 20 full-size kernels per norm
+//!   (CubeCL's backward passes do not fuse).
 
 // burn-tch (named in the op's dispatch) is deprecated upstream, to be removed in a later Burn.
 #![cfg_attr(feature = "tch", allow(deprecated))]
@@ -135,6 +136,27 @@ fn fused_parts<const D: usize>(
     Some((gamma, beta, epsilon(norm)?))
 }
 
+/// The inner backend's `layer_norm`, in f32 for f16 as burn-nn's `LayerNorm` computes it: in f16
+/// the centred squares' sum passes f16's largest value (65504) once a row's deviations reach an
+/// RMS of `√(65504 / width)` (23 at width 128) and the output is `β`. On CubeCL the casts are
+/// elementwise ops that the fusion engine merges with the norm's own; bf16 has f32's range and
+/// is left as it is, as burn-nn leaves it.
+fn forward<B: Backend>(
+    x: FloatTensor<B>,
+    gamma: FloatTensor<B>,
+    beta: FloatTensor<B>,
+    epsilon: f64,
+) -> FloatTensor<B> {
+    use burn::backend::TensorMetadata;
+    use burn::tensor::FloatDType;
+    if x.dtype() != DType::F16 {
+        return B::layer_norm(x, gamma, Some(beta), epsilon);
+    }
+    let wide = |tensor| B::float_cast(tensor, FloatDType::F32);
+    let output = B::layer_norm(wide(x), wide(gamma), Some(wide(beta)), epsilon);
+    B::float_cast(output, FloatDType::F16)
+}
+
 /// The fused LayerNorm under autodiff: parents `[x, γ, β]`.
 #[derive(Debug)]
 struct FusedLayerNorm;
@@ -177,13 +199,13 @@ impl<B: LayerNormBackend, C: CheckpointStrategy> LayerNormBackend for Autodiff<B
                     gamma.into_primitive(),
                     beta.into_primitive(),
                 );
-                let output = B::layer_norm(x, gamma.clone(), Some(beta.clone()), epsilon);
+                let output = forward::<B>(x, gamma.clone(), beta.clone(), epsilon);
                 prep.finish((x_state, gamma, beta, epsilon), output)
             }
-            OpsKind::UnTracked(prep) => prep.finish(B::layer_norm(
+            OpsKind::UnTracked(prep) => prep.finish(forward::<B>(
                 x.into_primitive(),
                 gamma.into_primitive(),
-                Some(beta.into_primitive()),
+                beta.into_primitive(),
                 epsilon,
             )),
         }
@@ -308,9 +330,11 @@ mod tests {
         }
     }
 
-    /// In f16 on wgpu the kernel sums in f32 and rounds each result once: `∂x`, `∂γ` and `∂β`
-    /// are within 16 of f16's unit roundoffs of the f32 op's (relative to each tensor's
-    /// largest entry), on 1650 rows whose `∂γ` and `∂β` sums cancel (random weights). A kernel
+    /// In f16 on wgpu the kernel sums in f32 and rounds each result once: `y`, `∂x`, `∂γ` and
+    /// `∂β` are within 16 of f16's unit roundoffs of the f32 op's (relative to each tensor's
+    /// largest entry), on 1650 rows whose `∂γ` and `∂β` sums cancel (random weights), with
+    /// deviations of 2 and of 64 (a row's centred squares then sum to 4·10⁵, past f16's
+    /// largest value: a forward that sums them in f16 gives `y = β`, off by about 1). A kernel
     /// that read a half tensor as f32, or summed the wrong rows, is off by far more.
     #[cfg(feature = "wgpu")]
     #[test]
@@ -318,45 +342,59 @@ mod tests {
         let device = crate::device::device("wgpu").unwrap().autodiff();
         let [rows, width] = [550, 96];
         let norm = norm_with_random_affine(&device, DType::F32, width);
-        let x = Tensor::<3>::random([3, rows, width], Distribution::Normal(1.0, 2.0), &device);
         let weights =
             Tensor::<3>::random([3, rows, width], Distribution::Normal(0.0, 1.0), &device);
-        let run = |dtype: DType| {
-            // Leaves in `dtype`, made from data: a cast under autodiff is not a leaf.
-            let cast = |param: &Param<Tensor<1>>| {
-                Param::from_tensor(Tensor::from_data(param.val().to_data(), (&device, dtype)))
+        for deviation in [2.0, 64.0] {
+            let x = Tensor::<3>::random(
+                [3, rows, width],
+                Distribution::Normal(1.0, deviation),
+                &device,
+            );
+            let run = |dtype: DType| {
+                // Leaves in `dtype`, made from data: a cast under autodiff is not a leaf.
+                let cast = |param: &Param<Tensor<1>>| {
+                    Param::from_tensor(Tensor::from_data(param.val().to_data(), (&device, dtype)))
+                };
+                let mut norm = norm.clone();
+                norm.gamma = cast(&norm.gamma);
+                norm.beta = norm.beta.as_ref().map(cast);
+                let x = Tensor::<3>::from_data(x.to_data(), (&device, dtype)).require_grad();
+                assert_eq!(x.dtype(), dtype);
+                assert!(fused_parts(&norm, &x).is_some(), "{dtype:?}");
+                let y = layer_norm(&norm, x.clone());
+                let grads = (y.clone() * weights.clone().cast(dtype)).sum().backward();
+                let beta = norm.beta.as_ref().expect("a bias");
+                [
+                    y.detach(),
+                    x.grad(&grads).expect("∂x"),
+                    norm.gamma.grad(&grads).expect("∂γ").unsqueeze(),
+                    beta.grad(&grads).expect("∂β").unsqueeze(),
+                ]
+                .map(|tensor| {
+                    tensor
+                        .cast(DType::F32)
+                        .into_data()
+                        .try_to_vec::<f32>()
+                        .expect("f32 data")
+                })
             };
-            let mut norm = norm.clone();
-            norm.gamma = cast(&norm.gamma);
-            norm.beta = norm.beta.as_ref().map(cast);
-            let x = Tensor::<3>::from_data(x.to_data(), (&device, dtype)).require_grad();
-            assert_eq!(x.dtype(), dtype);
-            assert!(fused_parts(&norm, &x).is_some(), "{dtype:?}");
-            let y = layer_norm(&norm, x.clone());
-            let grads = (y * weights.clone().cast(dtype)).sum().backward();
-            let beta = norm.beta.as_ref().expect("a bias");
-            [
-                x.grad(&grads).expect("∂x"),
-                norm.gamma.grad(&grads).expect("∂γ").unsqueeze(),
-                beta.grad(&grads).expect("∂β").unsqueeze(),
-            ]
-            .map(|grad| {
-                grad.cast(DType::F32)
-                    .into_data()
-                    .try_to_vec::<f32>()
-                    .expect("f32 data")
-            })
-        };
-        let exact = run(DType::F32);
-        let half = run(DType::F16);
-        for (name, (half, exact)) in ["∂x", "∂γ", "∂β"].iter().zip(half.iter().zip(&exact))
-        {
-            let scale = exact.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-            let error = half
-                .iter()
-                .zip(exact)
-                .fold(0.0f32, |m, (h, e)| m.max((h - e).abs()));
-            assert!(error <= 16.0 / 2048.0 * scale, "{name}: {error} of {scale}");
+            let exact = run(DType::F32);
+            let half = run(DType::F16);
+            let names = ["y", "∂x", "∂γ", "∂β"];
+            for (name, (half, exact)) in names.iter().zip(half.iter().zip(&exact)) {
+                let scale = exact.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+                let error = half.iter().zip(exact).fold(0.0f32, |m, (h, e)| {
+                    m.max(if h.is_finite() {
+                        (h - e).abs()
+                    } else {
+                        f32::INFINITY
+                    })
+                });
+                assert!(
+                    error <= 16.0 / 2048.0 * scale,
+                    "{name}, deviation {deviation}: {error} of {scale}"
+                );
+            }
         }
     }
 

@@ -309,7 +309,12 @@ pub(crate) fn composed_normed_projection(
     weights: Tensor<2>,
     scale: RowScale,
 ) -> Tensor<2> {
-    let squares = rows.clone().square().sum_dim(1);
+    // The scale in f32 for half types (see `exact_float`): the row itself is cast only for its
+    // sum of squares; the projection stays in the rows' type.
+    let dtype = rows.dtype();
+    let exact = super::exact_float(dtype);
+    let projected = rows.clone().matmul(weights).cast(exact);
+    let squares = rows.cast(exact).square().sum_dim(1);
     let mut denominator = if scale.root_offset != 0.0 {
         squares.add_scalar(scale.root_offset).sqrt()
     } else {
@@ -321,5 +326,91 @@ pub(crate) fn composed_normed_projection(
     if scale.floor != 0.0 {
         denominator = denominator.clamp_min(scale.floor);
     }
-    rows.matmul(weights) / denominator * scale.numerator
+    (projected / denominator * scale.numerator).cast(dtype)
+}
+
+#[cfg(test)]
+mod tests {
+    use burn::tensor::{DType, Distribution};
+
+    use super::*;
+
+    /// The largest difference of `found` from `exact` over the largest magnitude of `exact`
+    /// (infinite where an entry of `found` is not finite).
+    fn scaled_error(found: &[f32], exact: &[f32]) -> f32 {
+        let largest = exact.iter().fold(0.0f32, |top, v| top.max(v.abs()));
+        let worst = found.iter().zip(exact).fold(0.0f32, |top, (f, e)| {
+            top.max(if f.is_finite() {
+                (f - e).abs()
+            } else {
+                f32::INFINITY
+            })
+        });
+        worst / largest
+    }
+
+    /// In f16 the composed projection takes its row scale in f32: for rows of 3072 entries of
+    /// RMS 5 (`‖x‖² ≈ 7.7·10⁴`, past f16's largest value, 65504) and hyper-connections', mHC's
+    /// and the RMS row scales, the value and both gradients come within 16 of f16's unit
+    /// roundoffs of the f32 ones (relative to each result's largest entry). With `‖x‖²` in f16
+    /// the norm was infinite, the scale 0 and the value and `∂W` zero: an error of 1.
+    #[test]
+    fn composed_projection_in_f16_takes_norms_whose_squares_f16_overflows() {
+        let device = Device::flex().autodiff();
+        let (count, width, columns) = (16, 3072, 24);
+        let normal = |shape: [usize; 2], std: f64| {
+            Tensor::<2>::random(shape, Distribution::Normal(0.0, std), &device)
+        };
+        let (rows, weights, probe) = (
+            normal([count, width], 5.0),
+            normal([width, columns], 0.02),
+            normal([count, columns], 1.0),
+        );
+        let root = (width as f64).sqrt();
+        let hyper_connections = RowScale {
+            numerator: root,
+            offset: 0.0,
+            floor: 1e-12,
+            root_offset: 0.0,
+        };
+        let mhc = RowScale {
+            numerator: root,
+            offset: 1e-6 * root,
+            floor: 0.0,
+            root_offset: 0.0,
+        };
+        for scale in [hyper_connections, mhc, RowScale::rms(width, 1e-6)] {
+            let run = |dtype: DType| {
+                // Leaves in `dtype`, made from data: a cast under autodiff is not a leaf.
+                let leaf = |tensor: &Tensor<2>| {
+                    Tensor::<2>::from_data(tensor.to_data(), (&device, dtype)).require_grad()
+                };
+                let (x, w) = (leaf(&rows), leaf(&weights));
+                let projected = composed_normed_projection(x.clone(), w.clone(), scale);
+                assert_eq!(projected.dtype(), dtype);
+                let grads = (projected.clone() * probe.clone().cast(dtype))
+                    .sum()
+                    .backward();
+                [
+                    projected.detach().inner(),
+                    x.grad(&grads).expect("∂x"),
+                    w.grad(&grads).expect("∂W"),
+                ]
+                .map(|tensor| {
+                    let data = tensor.cast(DType::F32).into_data();
+                    data.try_to_vec::<f32>().expect("f32 data")
+                })
+            };
+            let exact = run(DType::F32);
+            let half = run(DType::F16);
+            for (name, (half, exact)) in ["P", "∂x", "∂W"].iter().zip(half.iter().zip(&exact)) {
+                let error = scaled_error(half, exact);
+                eprintln!("{scale:?} {name}: {error:e}");
+                assert!(
+                    error <= 16.0 / 2048.0,
+                    "{scale:?}, {name}: {error:e} of its scale"
+                );
+            }
+        }
+    }
 }

@@ -37,10 +37,13 @@ pub fn gelu<const D: usize>(input: Tensor<D>) -> Tensor<D> {
 
 /// `x / sqrt(mean(x²) + ε)` over the last axis: the RMS normalisation without a weight
 /// (LAuReL's Gemma 3n norms; AttnRes's keys and MUDD's weights take it inside the normalised
-/// projection op).
+/// projection op). The scale is taken in f32 for f16 and bf16, as burn-nn's `RmsNorm` takes
+/// it: in f16 an entry past 256 squares to infinity.
 pub(crate) fn rms_normalised<const D: usize>(input: Tensor<D>, epsilon: f64) -> Tensor<D> {
-    let mean_square = input.clone().square().mean_dim(D - 1);
-    input * mean_square.add_scalar(epsilon).sqrt().recip()
+    let dtype = input.dtype();
+    let wide = input.clone().cast(crate::backend::exact_float(dtype));
+    let mean_square = wide.square().mean_dim(D - 1);
+    input * mean_square.add_scalar(epsilon).sqrt().recip().cast(dtype)
 }
 
 #[cfg(test)]
@@ -48,6 +51,28 @@ mod tests {
     use burn::tensor::Distribution;
 
     use super::*;
+
+    /// In f16 the RMS scale is taken in f32: rows with entries past 256 (RMS 300, whose squares
+    /// f16 cannot hold) normalise to within 4 of f16's unit roundoffs of the f32 result, value
+    /// and gradient (relative to each one's largest entry). With the squares in f16 the scale
+    /// was 0, and so were the result and its gradient.
+    #[test]
+    fn rms_normalised_in_f16_takes_entries_whose_squares_f16_overflows() {
+        use crate::test_util::errors_in_float_type;
+        use burn::tensor::DType;
+        let device = Device::flex().autodiff();
+        let x = Tensor::<2>::random([8, 64], Distribution::Normal(0.0, 300.0), &device);
+        let probe = Tensor::<2>::random([8, 64], Distribution::Normal(0.0, 1.0), &device);
+        let case = "rms_normalised in f16";
+        let normed = |x: Vec<Tensor<2>>| rms_normalised(x[0].clone(), 1e-6);
+        let errors = errors_in_float_type(DType::F16, &[x], &probe, normed, case);
+        for (name, error) in ["value", "∂x"].iter().zip(errors) {
+            assert!(
+                error <= 4.0 / 2048.0,
+                "{case}, {name}: {error:e} of its scale"
+            );
+        }
+    }
 
     fn exact_derivative(x: f64) -> f64 {
         let pdf = (-0.5 * x * x).exp() / (2.0 * std::f64::consts::PI).sqrt();

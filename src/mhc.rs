@@ -539,41 +539,21 @@ mod tests {
     /// gradient before its last block was infinite.
     #[test]
     fn sinkhorn_in_half_precision_runs_in_f32() {
+        use crate::test_util::errors_in_float_type;
         use burn::tensor::DType;
         let device = Device::flex().autodiff();
         let (batch, n) = (64, 4);
         let logits = Tensor::<3>::random([batch, n, n], Distribution::Normal(0.0, 8.0), &device);
         let weights = Tensor::<3>::random([batch, n, n], Distribution::Normal(0.0, 1.0), &device);
-        let run = |dtype: DType| {
-            let leaf = Tensor::<3>::from_data(logits.to_data(), (&device, dtype)).require_grad();
-            let output = sinkhorn_unchecked(leaf.clone(), 20);
-            assert_eq!(output.dtype(), dtype);
-            let grads = (output.clone() * weights.clone().cast(dtype))
-                .sum()
-                .backward();
-            [output.detach().inner(), leaf.grad(&grads).expect("∂logits")].map(|tensor| {
-                let data = tensor.cast(DType::F32).into_data();
-                data.try_to_vec::<f32>().expect("f32 data")
-            })
-        };
-        let exact = run(DType::F32);
+        let normalised = |x: Vec<Tensor<3>>| sinkhorn_unchecked(x[0].clone(), 20);
         for (dtype, roundoff) in [(DType::F16, 2f32.powi(-11)), (DType::BF16, 2f32.powi(-8))] {
-            for (name, (half, exact)) in ["M", "∂L"].iter().zip(run(dtype).iter().zip(&exact)) {
-                let largest = exact.iter().fold(0.0f32, |top, v| top.max(v.abs()));
-                let worst = half.iter().zip(exact).fold(0.0f32, |top, (h, e)| {
-                    top.max(if h.is_finite() {
-                        (h - e).abs()
-                    } else {
-                        f32::INFINITY
-                    })
-                });
-                eprintln!(
-                    "{dtype:?} {name}: {:e} roundoffs",
-                    worst / largest / roundoff
-                );
+            let case = format!("Sinkhorn-Knopp in {dtype:?}");
+            let inputs = [logits.clone()];
+            let errors = errors_in_float_type(dtype, &inputs, &weights, normalised, &case);
+            for (name, error) in ["M", "∂L"].iter().zip(errors) {
                 assert!(
-                    worst <= 16.0 * roundoff * largest,
-                    "{dtype:?}, {name}: {worst:e} of {largest:e}"
+                    error <= 16.0 * roundoff,
+                    "{case}, {name}: {error:e} of its scale"
                 );
             }
         }

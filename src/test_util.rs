@@ -475,10 +475,40 @@ fn assert_kernels_match(kernels: &[TensorData], composed: &[TensorData], case: &
 #[cfg(feature = "wgpu")]
 pub const HALF_SUMS_BOUND: f32 = 4.0 / 2048.0;
 
+/// `op`'s output and the gradients of its inputs for the loss `Σ output ⊙ probe`, computed on
+/// leaves made from `inputs`' data in `dtype` (on their device), each as [`scaled_errors`]
+/// from the same in f32.
+pub fn errors_in_float_type<const D: usize, const O: usize>(
+    dtype: burn::tensor::DType,
+    inputs: &[Tensor<D>],
+    probe: &Tensor<O>,
+    op: impl Fn(Vec<Tensor<D>>) -> Tensor<O>,
+    case: &str,
+) -> Vec<f32> {
+    let run = |dtype: burn::tensor::DType| {
+        // Leaves made from data: a cast under autodiff is not a leaf.
+        let leaves: Vec<Tensor<D>> = (inputs.iter())
+            .map(|x| Tensor::from_data(x.to_data(), (&x.device(), dtype)).require_grad())
+            .collect();
+        let output = op(leaves.clone());
+        assert_eq!(output.dtype(), dtype, "{case}");
+        let grads = (output.clone() * probe.clone().cast(dtype))
+            .sum()
+            .backward();
+        std::iter::once(output.into_data())
+            .chain(
+                leaves
+                    .iter()
+                    .map(|x| x.grad(&grads).expect("a gradient").into_data()),
+            )
+            .collect::<Vec<_>>()
+    };
+    scaled_errors(&run(dtype), &run(burn::tensor::DType::F32), case)
+}
+
 /// Each of `results` against the same one of `exact`: its largest difference over the largest
 /// magnitude of `exact`'s, infinite where an entry of `results` is not finite (a maximum would
 /// pass over a NaN). `case` names the op in a failure.
-#[cfg(feature = "wgpu")]
 pub fn scaled_errors(results: &[TensorData], exact: &[TensorData], case: &str) -> Vec<f32> {
     assert_eq!(results.len(), exact.len(), "{case}: one result each");
     results

@@ -334,20 +334,7 @@ mod tests {
     use burn::tensor::{DType, Distribution};
 
     use super::*;
-
-    /// The largest difference of `found` from `exact` over the largest magnitude of `exact`
-    /// (infinite where an entry of `found` is not finite).
-    fn scaled_error(found: &[f32], exact: &[f32]) -> f32 {
-        let largest = exact.iter().fold(0.0f32, |top, v| top.max(v.abs()));
-        let worst = found.iter().zip(exact).fold(0.0f32, |top, (f, e)| {
-            top.max(if f.is_finite() {
-                (f - e).abs()
-            } else {
-                f32::INFINITY
-            })
-        });
-        worst / largest
-    }
+    use crate::test_util::errors_in_float_type;
 
     /// In f16 the composed projection takes its row scale in f32: for rows of 3072 entries of
     /// RMS 5 (`‖x‖² ≈ 7.7·10⁴`, past f16's largest value, 65504) and hyper-connections', mHC's
@@ -380,35 +367,15 @@ mod tests {
             root_offset: 0.0,
         };
         for scale in [hyper_connections, mhc, RowScale::rms(width, 1e-6)] {
-            let run = |dtype: DType| {
-                // Leaves in `dtype`, made from data: a cast under autodiff is not a leaf.
-                let leaf = |tensor: &Tensor<2>| {
-                    Tensor::<2>::from_data(tensor.to_data(), (&device, dtype)).require_grad()
-                };
-                let (x, w) = (leaf(&rows), leaf(&weights));
-                let projected = composed_normed_projection(x.clone(), w.clone(), scale);
-                assert_eq!(projected.dtype(), dtype);
-                let grads = (projected.clone() * probe.clone().cast(dtype))
-                    .sum()
-                    .backward();
-                [
-                    projected.detach().inner(),
-                    x.grad(&grads).expect("∂x"),
-                    w.grad(&grads).expect("∂W"),
-                ]
-                .map(|tensor| {
-                    let data = tensor.cast(DType::F32).into_data();
-                    data.try_to_vec::<f32>().expect("f32 data")
-                })
-            };
-            let exact = run(DType::F32);
-            let half = run(DType::F16);
-            for (name, (half, exact)) in ["P", "∂x", "∂W"].iter().zip(half.iter().zip(&exact)) {
-                let error = scaled_error(half, exact);
-                eprintln!("{scale:?} {name}: {error:e}");
+            let case = format!("the composed projection in f16, {scale:?}");
+            let projected =
+                |x: Vec<Tensor<2>>| composed_normed_projection(x[0].clone(), x[1].clone(), scale);
+            let inputs = [rows.clone(), weights.clone()];
+            let errors = errors_in_float_type(DType::F16, &inputs, &probe, projected, &case);
+            for (name, error) in ["P", "∂x", "∂W"].iter().zip(errors) {
                 assert!(
                     error <= 16.0 / 2048.0,
-                    "{scale:?}, {name}: {error:e} of its scale"
+                    "{case}, {name}: {error:e} of its scale"
                 );
             }
         }

@@ -91,12 +91,13 @@ pub(crate) fn kernel_constant(value: f64) -> u32 {
     (value as f32).to_bits()
 }
 
-/// The float type that Sinkhorn-Knopp and the composed row scales run in: f32 for f16 and bf16
-/// tensors, else the tensor's own. In f16 a row's `‖x‖²` passes the largest value
-/// (65504) at `‖x‖ > 256`, mHC's row scale `1/ε` is 10⁶ for a zero row, and a division's
-/// gradient `−∂y·a/b²` overflows where `b` is Sinkhorn-Knopp's sum of a nearly empty column;
-/// in bf16 each of them keeps 8 bits. These are small tensors (`[T, 1]`, `[T, n²]`): the casts
-/// cost little beside the projection they scale.
+/// The float type that Sinkhorn-Knopp, the composed row scales and the RMS normalisation's scale
+/// run in: f32 for f16 and bf16 tensors, else the tensor's own. In f16 a row's `‖x‖²` passes
+/// the largest value (65504) at `‖x‖ > 256`, mHC's row scale `1/ε` is 10⁶ for a zero row, and a
+/// division's gradient `−∂y·a/b²` overflows where `b` is Sinkhorn-Knopp's sum of a nearly empty
+/// column; in bf16 each of them keeps 8 bits. Only the rows' sums of squares read a full-size
+/// cast (which the fusion engine merges with the square on CubeCL); the scales and
+/// Sinkhorn-Knopp's logits are small (`[T, 1]`, `[T, n²]`).
 pub(crate) fn exact_float(dtype: burn::tensor::DType) -> burn::tensor::FloatDType {
     use burn::tensor::{DType, FloatDType};
     match dtype {

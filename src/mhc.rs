@@ -531,12 +531,12 @@ mod tests {
         input, input_gradient, residual_loop,
     };
 
-    /// Sinkhorn-Knopp in f16 and bf16 runs in f32 (on Flex the fused op): for peaked logits (std 8: most rows of
-    /// the softmax nearly one-hot, so that some columns are nearly empty) its values and
-    /// gradients come within 16 of the type's unit roundoffs of the f32 ones (relative to each
-    /// result's largest entry). In f16 itself (the composed form on Flex) the divisions'
-    /// gradients (`−∂y·a/b²`, `b` a column's sum near ε) overflowed, and DeepSeek-V4's every
-    /// gradient before its last block was infinite.
+    /// Sinkhorn-Knopp in f16 and bf16 runs in f32 (on Flex the fused op): for peaked logits
+    /// (std 8: most rows of the softmax nearly one-hot, so that some columns are nearly empty)
+    /// its values and gradients come within 16 of the type's unit roundoffs of the f32 ones
+    /// (relative to each result's largest entry). In f16 itself (the composed form on Flex)
+    /// the divisions' gradients (`−∂y·a/b²`, `b` a column's sum near ε) overflowed, and
+    /// DeepSeek-V4's every gradient before its last block was infinite.
     #[test]
     fn sinkhorn_in_half_precision_runs_in_f32() {
         use crate::test_util::errors_in_float_type;

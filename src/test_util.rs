@@ -487,7 +487,8 @@ pub fn errors_in_float_type<const D: usize, const O: usize>(
 ) -> Vec<f32> {
     let run = |dtype: burn::tensor::DType| {
         // Leaves made from data: a cast under autodiff is not a leaf.
-        let leaves: Vec<Tensor<D>> = (inputs.iter())
+        let leaves: Vec<Tensor<D>> = inputs
+            .iter()
             .map(|x| Tensor::from_data(x.to_data(), (&x.device(), dtype)).require_grad())
             .collect();
         let output = op(leaves.clone());

@@ -21,15 +21,18 @@
 //! (depth 4). `--no-broadcast-reduce-fusion` leaves out the fusion whose ties these were
 //! (Burn's `ReduceBroadcasted`): the counts then repeat exactly, but they are not what a user
 //! gets, and the residual's norm still fuses with its add there while a connectivity's, read
-//! from one of the crate's kernels, does not.
+//! from one of the crate's kernels, does not. What repeats exactly whatever the autotune picks
+//! is the count of the crate's own kernels (named under `burn_connectivity::`), which the
+//! crate's plan launches: each count is printed with it.
 //!
 //! It reports, for a stack of pre-LN MLP blocks on `[8, 128, 256]`:
 //! the kernels of a forward pass (without and under autodiff) and of a train step (forward and
 //! backward of the mean output) per variant, with the difference to the plain residual loop per
-//! block and, for the train step, the crate's targets; then one JSON line per variant and pass,
+//! block, the same for the crate's own kernels, and, for the train step, the crate's targets;
+//! then one JSON line per variant and pass,
 //!
 //! ```text
-//! {"variant": "mhc", "pass": "train_step", "depth": 4, "kernels": 102, "extra_per_block": 6.50, "device": "wgpu", "trained_input": false}
+//! {"variant": "mhc", "pass": "train_step", "depth": 4, "kernels": 110, "extra_per_block": 8.25, "own_kernels": 42, "own_extra_per_block": 8.50, "device": "wgpu", "trained_input": false}
 //! ```
 //!
 //! (`pass`: `forward`, `forward_autodiff` or `train_step`); and the kernels of one connectivity
@@ -97,9 +100,27 @@ impl LaunchObserver for Counter {
 /// Passes counted at most before a count must have settled.
 const MAX_PASSES: usize = 8;
 
+/// The kernels one run of some work launched.
+#[derive(Clone, Copy, Debug)]
+struct Launches {
+    /// Every kernel.
+    total: usize,
+    /// This crate's own kernels (named under `burn_connectivity::`). Which of them a pass
+    /// launches is the crate's plan and no autotune's: these repeat exactly between processes.
+    own: usize,
+}
+
+/// The kernels of this crate are named after their module path.
+const OWN_KERNEL_PREFIX: &str = "burn_connectivity::";
+
 /// Kernels launched by one run of `work`, all queued work flushed, once two runs in a row
 /// launched as many (after one run for compilation).
 fn count<T>(device: &Device, work: impl Fn() -> T) -> usize {
+    count_launches(device, work).total
+}
+
+/// [`count`], with this crate's own kernels counted apart.
+fn count_launches<T>(device: &Device, work: impl Fn() -> T) -> Launches {
     let sync = || device.sync().expect("device sync");
     drop(work());
     sync();
@@ -126,12 +147,19 @@ fn count<T>(device: &Device, work: impl Fn() -> T) -> usize {
     if !settled {
         eprintln!("warning: the count had not settled after {MAX_PASSES} passes");
     }
+    let names = last.names.lock().unwrap();
     if std::env::var_os("KERNEL_NAMES").is_some() {
-        for name in last.names.lock().unwrap().iter() {
+        for name in names.iter() {
             eprintln!("    {name}");
         }
     }
-    launches(&last)
+    Launches {
+        total: launches(&last),
+        own: names
+            .iter()
+            .filter(|name| name.starts_with(OWN_KERNEL_PREFIX))
+            .count(),
+    }
 }
 
 /// The fusion optimization `--no-broadcast-reduce-fusion` leaves out.
@@ -242,22 +270,25 @@ fn run(flags: Flags) -> Result<(), String> {
         );
         let mut baseline = None;
         for &variant in &counted {
-            let kernels = match pass {
+            let launches = match pass {
                 Pass::Forward => {
                     let model = Model::new(variant, depth, &device);
-                    count(&device, || model.forward(input.clone()))
+                    count_launches(&device, || model.forward(input.clone()))
                 }
                 Pass::ForwardAutodiff => {
                     let model = Model::new(variant, depth, &tracked);
-                    count(&tracked, || model.forward(tracked_input.clone()))
+                    count_launches(&tracked, || model.forward(tracked_input.clone()))
                 }
                 Pass::TrainStep => {
                     let model = Model::new(variant, depth, &tracked);
-                    count(&tracked, || model.train_step(tracked_input.clone()))
+                    count_launches(&tracked, || model.train_step(tracked_input.clone()))
                 }
             };
-            let base = *baseline.get_or_insert(kernels);
-            let extra = (kernels as f64 - base as f64) / depth as f64;
+            let base = *baseline.get_or_insert(launches);
+            let per_block = |count: usize, base: usize| (count as f64 - base as f64) / depth as f64;
+            let (kernels, own) = (launches.total, launches.own);
+            let extra = per_block(kernels, base.total);
+            let own_extra = per_block(own, base.own);
             let verdict = match (pass, target(variant)) {
                 (Pass::TrainStep, Some(limit)) if extra <= limit => {
                     format!(" (target <= {limit}: met)")
@@ -266,11 +297,11 @@ fn run(flags: Flags) -> Result<(), String> {
                 _ => String::new(),
             };
             println!(
-                "  {:>9}: {kernels:>4} kernels ({extra:+.2} per block vs residual){verdict}",
+                "  {:>9}: {kernels:>4} kernels ({extra:+.2} per block vs residual; the crate's own {own:>3}, {own_extra:+.2}){verdict}",
                 variant.name(),
             );
             rows.push(format!(
-                r#"{{"variant": "{}", "pass": "{}", "depth": {depth}, "kernels": {kernels}, "extra_per_block": {extra:.2}, "device": "{name}", "trained_input": {}}}"#,
+                r#"{{"variant": "{}", "pass": "{}", "depth": {depth}, "kernels": {kernels}, "extra_per_block": {extra:.2}, "own_kernels": {own}, "own_extra_per_block": {own_extra:.2}, "device": "{name}", "trained_input": {}}}"#,
                 variant.name(),
                 pass.name(),
                 flags.trained_input,

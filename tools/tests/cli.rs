@@ -213,21 +213,22 @@ const VARIANTS: [&str; 13] = [
 ///
 /// - **its own kernels** (the crate's, which no autotune chooses; they repeat exactly between
 ///   processes) within the crate's plan: one per block more launches one kernel too many;
-/// - **Burn's kernels** at most [`MOST_BURN_EXTRA`] per block over the residual's: a fall back
+/// - **Burn's kernels** at most `MOST_BURN_EXTRA` per block over the residual's: a fall back
 ///   to composed tensor ops costs tens of them;
 /// - **the whole count within its target** for H-ACN, ANCRe and DWA.
 ///
 /// HC's and mHC's whole counts are not asserted: they are not within their target in every
 /// process. CubeCL's autotune picks, once per process and by timing, between the fused kernel
-/// of each blocks' LayerNorm forward (with the ops around it) and its fallback; these tie on
+/// of each block's LayerNorm forward (with the ops around it) and its fallback; these tie on
 /// lavapipe, and HC's norms (after one of the crate's kernels) share their key with the
 /// residual's first norm only. HC's train step then counts 7.50 to 9.75 extra per block on one
-/// commit (8.50 of them its own); see BENCHMARKS.md, "Kernel counts differ between processes".
+/// commit (8.50 of them its own); see BENCHMARKS.md, "HC and mHC over their kernel target in
+/// some processes".
 /// Whole counts that miss are counted again in fresh processes, each deciding anew
 /// (`CUBECL_AUTOTUNE_CACHE=0`); the test fails after `COUNT_TRIES` misses in a row.
 #[cfg(feature = "wgpu")]
 #[test]
-fn kernel_counts_meet_the_train_step_targets() {
+fn train_step_kernel_counts_keep_the_crates_plan_and_the_targets_that_hold() {
     let _alone = one_tool_at_a_time();
     const COUNT_TRIES: usize = 4;
     // The variants with a train-step target, as `--variants` names them, with their target and

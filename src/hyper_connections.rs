@@ -247,9 +247,9 @@ impl MixingLayer for HcMixing<'_> {
         if let Some(dynamic) = &self.layer.dynamic {
             let (_, views) = self.layer.units_and_views();
             let table = ops.table(|| {
-                let [tokens, count, width] = units.dims();
+                let width = units.dims()[2];
                 crate::backend::Gated {
-                    rows: units.clone().reshape([tokens * count, width]),
+                    units: units.clone(),
                     mixing_weights: dynamic.dynamic_alpha_fn.val(),
                     depth_weights: dynamic.dynamic_beta_fn.val(),
                     gain: dynamic.norm_gamma.val(),
@@ -261,8 +261,8 @@ impl MixingLayer for HcMixing<'_> {
                     row_scale: norm_scale(width),
                 }
             });
-            if let Some((table, slot)) = table {
-                return Mixing::table(table, views, slot);
+            if let Some((table, input, slot)) = table {
+                return Mixing::table(table, input, views, slot);
             }
         }
         let (alpha, beta) = self.layer.connections(units, self.tanh, ops);

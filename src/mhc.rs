@@ -287,10 +287,10 @@ impl MhcLayer {
         iterations: usize,
         mixture: impl FnOnce() -> Option<Tensor<2>>,
     ) -> Option<Mixing> {
-        let (table, slot) = ops.table(|| {
-            let [tokens, n, width] = units.dims();
+        let (table, input, slot) = ops.table(|| {
+            let [_, n, width] = units.dims();
             crate::backend::Normalised {
-                rows: units.clone().reshape([tokens, n * width]),
+                units: units.clone(),
                 weights: self.phi.val(),
                 scales: [
                     self.alpha_pre.val(),
@@ -307,7 +307,7 @@ impl MhcLayer {
                 row_scale: norm_scale(n * width),
             }
         })?;
-        Some(Mixing::table(table, 1, slot))
+        Some(Mixing::table(table, input, 1, slot))
     }
 
     /// The gradients of `φ`, the three `α` and `b`, in that order (for tests).
@@ -366,6 +366,7 @@ pub(crate) fn mixing(
 ) -> Mixing {
     Mixing {
         input: MatrixRows::all(pre.reshape([tokens, 1, n])),
+        made_input: None,
         residual: MatrixRows::all(res.swap_dims(1, 2)),
         beta: Gains::Own(post.reshape([tokens, n, 1])),
         slot: 0,

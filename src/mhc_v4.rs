@@ -190,11 +190,11 @@ impl MixingLayer for MhcV4Mixing<'_> {
         {
             let layer = self.layer;
             let table = ops.table(|| {
-                let [tokens, n, width] = units.dims();
+                let [_, n, width] = units.dims();
                 // The `[3]` scale packed (read as it is), `Fᵀ` as a view.
                 let scale = layer.scale.val();
                 crate::backend::Normalised {
-                    rows: units.clone().reshape([tokens, n * width]),
+                    units: units.clone(),
                     weights: layer.weights.val().transpose(),
                     scales: [scale.clone(), scale.clone().detach(), scale.detach()],
                     bias: layer.base.val(),
@@ -207,8 +207,8 @@ impl MixingLayer for MhcV4Mixing<'_> {
                     row_scale: RowScale::rms(n * width, MHC_EPS),
                 }
             });
-            if let Some((table, slot)) = table {
-                return Mixing::table(table, 1, slot);
+            if let Some((table, input, slot)) = table {
+                return Mixing::table(table, input, 1, slot);
             }
         }
         let [tokens, n, _] = units.dims();

@@ -43,6 +43,9 @@ pub enum StreamReduce {
 pub struct Mixing {
     /// `A_inᵀ`, `V` rows of `[tokens | 1, ·, U]` matrices: they make the views.
     pub input: MatrixRows,
+    /// The views `A_inᵀ S` (`[tokens, V, w]`) where the kernel that made a table made them too;
+    /// else the pass's ops mix them.
+    pub made_input: Option<Tensor<3>>,
     /// `A_resᵀ`, `U` rows of `[tokens | 1, ·, U]` matrices: they make the next units.
     pub residual: MatrixRows,
     /// `β`: `[tokens | 1, U, 1]`, or a row of the residual rows' matrices.
@@ -63,6 +66,7 @@ impl Mixing {
                 first: 0,
                 count: views,
             },
+            made_input: None,
             residual: MatrixRows {
                 matrices: width,
                 first: views,
@@ -74,8 +78,8 @@ impl Mixing {
     }
 
     /// From a table `[tokens, V + U + 1, U]`: `A_inᵀ`, `A_resᵀ` and `βᵀ` as its rows, read in
-    /// place; `slot` as made with the table.
-    pub fn table(table: Tensor<3>, views: usize, slot: u64) -> Self {
+    /// place; the views `input` and `slot` as made with the table.
+    pub fn table(table: Tensor<3>, input: Tensor<3>, views: usize, slot: u64) -> Self {
         let [_, rows, units] = table.dims();
         debug_assert_eq!(rows, views + units + 1, "a table of V + U + 1 rows");
         Self {
@@ -84,6 +88,7 @@ impl Mixing {
                 first: 0,
                 count: views,
             },
+            made_input: Some(input),
             residual: MatrixRows {
                 matrices: table,
                 first: views,
@@ -215,11 +220,12 @@ fn prepare<const D: usize>(
     let ops = ops.layer();
     let Mixing {
         input,
+        made_input,
         residual,
         beta,
         slot,
     } = layer.mixing(units, &ops);
-    let input = ops.mix(input, units.clone(), None, slot);
+    let input = made_input.unwrap_or_else(|| ops.mix(input, units.clone(), None, slot));
     Prepared {
         input: input.reshape(shape),
         residual,

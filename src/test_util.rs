@@ -428,11 +428,12 @@ pub fn layer_results<M: crate::multi_stream::MultiStream>(
     let (units, mixing) = first_layer_mixing(connectivity, units, &ops);
     let crate::multi_stream::Mixing {
         input,
+        made_input,
         residual,
         beta,
         slot,
     } = mixing;
-    let block_input = ops.mix(input, units.clone(), None, slot);
+    let block_input = made_input.unwrap_or_else(|| ops.mix(input, units.clone(), None, slot));
     let branch = block_input.clone().tanh();
     let next = ops.mix(residual, units.clone(), Some((beta, branch)), slot);
     let probe = probe_like(&next, |i| (i as f32 * 0.53).cos());

@@ -1,5 +1,6 @@
 //! The token-dependent connections of a multi-stream layer made in one kernel, as one table per
-//! token, with their backward in three: for the CubeCL backends (wgpu, vulkan, metal, cuda).
+//! token, together with the block input they make, and their backward in three: for the CubeCL
+//! backends (wgpu, vulkan, metal, cuda).
 //!
 //! A layer of `U` units per token mixes them with a table `[T, V + U + 1, U]` per token `t`:
 //! rows `0..V` are `A_inᵀ` (they make the `V` views of the block input), rows `V..V+U` are
@@ -9,13 +10,20 @@
 //! more backward (each broadcast parameter's gradient is a reduction of its own, each slice a
 //! zero fill and a copy). Here it is one kernel forward, which also keeps each row's projection
 //! and norm `√(‖x‖² + c)` (`K + 2` or `2n + r + 1` numbers a row, a constant to the graph; the
-//! norm rather than its square, which f16 overflows at RMS 4 over 4096 entries);
-//! backward, one kernel takes every step back from those (a pass over the rows only for the
-//! block input's products, none for the projection), two make the projection weights'
-//! gradient, and one sums the small parameters' gradients over the tokens, one cube each.
+//! norm rather than its square, which f16 overflows at RMS 4 over 4096 entries), and which makes
+//! the block input `A_inᵀ S` from the token's units in a second pass over them, its cube holding
+//! the token's view rows (the mixing's kernel would read the units again, and cost a launch);
+//! under autodiff the block input is recorded as that mixing, whose backward hands its gradient
+//! to this one's ([`gradient_slots`](super::gradient_slots)).
+//! Backward, one kernel takes every step back from the saved projection and norm (a pass over
+//! the rows only for the block input's products, none for the projection), one makes partial
+//! sums of the projection weights' gradient `xᵀ (s δ)` over chunks of rows, and one finishes:
+//! it sums those chunks into the weights' gradients and the small parameters' gradients over the
+//! tokens, one cube each.
 //! (The backward used to project the rows again: for mHC at `n = 4` a `[T, 4C] × [4C, 24]`
 //! product read from shared memory, as much work as the forward's.) The gated form's kernels take
-//! one projected row per cube; the normalised form's take several token rows per cube through
+//! one token's rows per cube forward (its block input needs them all) and one projected row per
+//! cube backward; the normalised form's take several token rows per cube through
 //! tiles of `Φ` in shared memory (`cube_launch::RowTiles`: each row would otherwise stream the
 //! whole `Φ`, 24 times its own bytes at `n = 4`), one unit per row for the logits and
 //! Sinkhorn-Knopp. That per-row work (logits, gates, Sinkhorn-Knopp or mHC-lite's softmax
@@ -34,6 +42,7 @@
 //! p_r   = s(‖x_r‖) · x_r diag(1 + γ) [W | v]                 ([K + 1] per row)
 //! table[t, c, q] = m_W · act(p_rc) + A[q, c]   (c < K)
 //! table[t, K, q] = m_v · act(p_rK) + b[q]
+//! u[t, v]        = Σ_q table[t, v, q] · x_{tU+q}   (v < V: the block input's views)
 //! ```
 //!
 //! **Normalised** (rows are tokens: `R = T`, `x_t` the `n` units flattened; `Φ [N, 2n + r]`,
@@ -48,6 +57,7 @@
 //! table[t, 0, k]     = σ(z_k) + ε_in
 //! table[t, 1 + i, k] = H[k][i]
 //! table[t, n + 1, i] = k · σ(z_{n+i})
+//! u_t                = Σ_k table[t, 0, k] · S_{t,k}   (the block input; S_{t,k} unit k of x_t)
 //! ```
 //!
 //! Backward, with `g` the table's gradient read at each entry's place and `δ = ∂p` (or `∂z`
@@ -73,19 +83,20 @@ use burn::backend::autodiff::ops::{Backward, Ops};
 use burn::backend::autodiff::{Autodiff, NodeId};
 use burn::backend::fusion::custom::TensorSpec;
 use burn::backend::tensor::FloatTensor;
-use burn::backend::{Backend, Dispatch, backend_extension};
+use burn::backend::{Backend, Dispatch, TensorMetadata, backend_extension};
 use burn::tensor::{Shape, Tensor};
 
 use super::RowScale;
 use super::autodiff::{constant, tracked_op_saving};
 use super::gradient_slots::{Part, take};
+use super::unit_kernels::{UnitKernelsBackend, made_mix};
 
 pub(super) mod cube;
 
 /// The gated form's inputs (see the [module docs](self)).
 pub(crate) struct Gated {
-    /// `x`, `[T·U, w]`.
-    pub rows: Tensor<2>,
+    /// The units `S`, `[T, U, w]` (the rows `x` are its `T·U` units).
+    pub units: Tensor<3>,
     /// `W`, `[w, K]`.
     pub mixing_weights: Tensor<2>,
     /// `v`, `[w]`.
@@ -107,8 +118,8 @@ pub(crate) struct Gated {
 
 /// The normalised form's inputs (see the [module docs](self)).
 pub(crate) struct Normalised {
-    /// `x`, `[T, n·C]`.
-    pub rows: Tensor<2>,
+    /// The units `S`, `[T, n, C]` (the row `x_t` is token `t`'s `n` units flattened).
+    pub units: Tensor<3>,
     /// `Φ`, `[n·C, 2n + n²]`, any strides (`Fᵀ` of a stored `F` is read without a copy).
     pub weights: Tensor<2>,
     /// `α_in`, `α_depth`, `α_res`, `[1]` each; or the three packed in the first, `[3]`, the
@@ -136,14 +147,16 @@ pub(crate) trait TableForm {
     /// Whether every input has the rows' float type (the kernels read them all as it).
     fn one_float_type(&self) -> bool;
 
-    /// The table (gated: `[T, K + 1, U]`; normalised: `[T, n + 2, n]`); `slot`: the layer's
-    /// gradient slot (see [`gradient_slots`](super::gradient_slots)), 0 for none.
-    fn table(self, slot: u64) -> Tensor<3>;
+    /// The table (gated: `[T, K + 1, U]`; normalised: `[T, n + 2, n]`) and the block input its
+    /// view rows make of the units, `A_inᵀ S` (gated: `[T, V, w]`; normalised: `[T, 1, C]`),
+    /// made by the same kernel; `slot`: the layer's gradient slot (see
+    /// [`gradient_slots`](super::gradient_slots)), 0 for none.
+    fn table(self, slot: u64) -> (Tensor<3>, Tensor<3>);
 }
 
 impl TableForm for Gated {
     fn one_float_type(&self) -> bool {
-        let dtype = self.rows.dtype();
+        let dtype = self.units.dtype();
         [
             self.mixing_weights.dtype(),
             self.depth_weights.dtype(),
@@ -157,9 +170,9 @@ impl TableForm for Gated {
         .all(|other| other == dtype)
     }
 
-    fn table(self, slot: u64) -> Tensor<3> {
+    fn table(self, slot: u64) -> (Tensor<3>, Tensor<3>) {
         let Gated {
-            rows,
+            units,
             mixing_weights,
             depth_weights,
             gain,
@@ -175,8 +188,8 @@ impl TableForm for Gated {
             row_scale.root_offset, 0.0,
             "the gated table kernels take c = 0"
         );
-        let (table, _projection) = <Dispatch as ConnectionTableBackend>::gated_table(
-            rows.into_dispatch(),
+        let (table, _projection, input) = <Dispatch as ConnectionTableBackend>::gated_table(
+            units.into_dispatch(),
             mixing_weights.into_dispatch(),
             depth_weights.into_dispatch(),
             gain.into_dispatch(),
@@ -190,13 +203,13 @@ impl TableForm for Gated {
             row_scale.floor,
             slot,
         );
-        Tensor::from_dispatch(table)
+        (Tensor::from_dispatch(table), Tensor::from_dispatch(input))
     }
 }
 
 impl TableForm for Normalised {
     fn one_float_type(&self) -> bool {
-        let dtype = self.rows.dtype();
+        let dtype = self.units.dtype();
         let [a, b, c] = &self.scales;
         [
             self.weights.dtype(),
@@ -210,9 +223,9 @@ impl TableForm for Normalised {
         .all(|other| other == dtype)
     }
 
-    fn table(self, slot: u64) -> Tensor<3> {
+    fn table(self, slot: u64) -> (Tensor<3>, Tensor<3>) {
         let Normalised {
-            rows,
+            units,
             weights,
             scales: [input_scale, depth_scale, residual_scale],
             bias,
@@ -228,8 +241,8 @@ impl TableForm for Normalised {
         // as the op registers no gradient for it.
         let mixtures = mixture.as_ref().map_or(0, |m| m.dims()[0]);
         let matrices = mixture.unwrap_or_else(|| bias.clone().unsqueeze()).detach();
-        let (table, _projection) = <Dispatch as ConnectionTableBackend>::normalised_table(
-            rows.into_dispatch(),
+        let (table, _projection, input) = <Dispatch as ConnectionTableBackend>::normalised_table(
+            units.into_dispatch(),
             weights.into_dispatch(),
             input_scale.into_dispatch(),
             depth_scale.into_dispatch(),
@@ -248,7 +261,7 @@ impl TableForm for Normalised {
             row_scale.root_offset,
             slot,
         );
-        Tensor::from_dispatch(table)
+        (Tensor::from_dispatch(table), Tensor::from_dispatch(input))
     }
 }
 
@@ -259,23 +272,33 @@ impl TableForm for Normalised {
     Autodiff
 )]
 pub(crate) trait ConnectionTableBackend: Backend {
-    /// The gated form's table `[T, K + 1, U]`. Second, the projection `[p_r | ‖x_r‖²]` per row
-    /// (`[T·U, K + 2]`, before the row scale), which the backward takes back rather than
-    /// projecting the rows again (a constant to the graph).
-    #[fusion(meta = |rows, mixing_weights, _, _, _, _, mixing_static, _, _, _, _, _, _| (
+    /// The gated form's table `[T, K + 1, U]` for `units [T, U, w]`. Second, the projection
+    /// `[p_r | ‖x_r‖]` per row (`[T·U, K + 2]`, before the row scale), which the backward takes
+    /// back rather than projecting the rows again (a constant to the graph). Third, the block
+    /// input `A_inᵀ S` (`[T, V, w]`, `V = K − U`) that the table's view rows make, recorded
+    /// under autodiff as the mixing [`unit_mix`](super::unit_kernels::UnitKernelsBackend::unit_mix)
+    /// of those rows would be (its backward is that mixing's).
+    #[fusion(meta = |units, mixing_weights, _, _, _, _, mixing_static, _, _, _, _, _, _| (
+        TensorSpec::new(
+            Shape::new([units.shape[0], mixing_weights.shape[1] + 1, units.shape[1]]),
+            units.dtype,
+        ),
+        TensorSpec::new(
+            Shape::new([units.shape[0] * units.shape[1], mixing_weights.shape[1] + 2]),
+            units.dtype,
+        ),
         TensorSpec::new(
             Shape::new([
-                rows.shape[0] / mixing_static.shape[0],
-                mixing_weights.shape[1] + 1,
-                mixing_static.shape[0],
+                units.shape[0],
+                mixing_weights.shape[1] - mixing_static.shape[0],
+                units.shape[2],
             ]),
-            rows.dtype,
+            units.dtype,
         ),
-        TensorSpec::new(Shape::new([rows.shape[0], mixing_weights.shape[1] + 2]), rows.dtype),
     ))]
     #[allow(clippy::too_many_arguments, clippy::type_complexity)]
     fn gated_table(
-        rows: FloatTensor<Self>,
+        units: FloatTensor<Self>,
         mixing_weights: FloatTensor<Self>,
         depth_weights: FloatTensor<Self>,
         gain: FloatTensor<Self>,
@@ -288,17 +311,17 @@ pub(crate) trait ConnectionTableBackend: Backend {
         offset: f64,
         floor: f64,
         slot: u64,
-    ) -> (FloatTensor<Self>, FloatTensor<Self>);
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>);
 
-    /// The gradients of the gated form's eight inputs, given the table's and the forward's
-    /// `projection`; `previous_rows`
-    /// (read where `with_previous_rows`) is added to the rows'. With `input_views > 0`,
-    /// `input_grad [T, input_views, w]` is the gradient of the block input `u = A_in S` that the
-    /// table's rows `0..input_views` make from the units (the rows): its parts of the table's
-    /// and the rows' gradients are added here, for the block input's backward.
-    #[fusion(meta = |rows, mixing_weights, depth_weights, gain, mixing_scale, depth_scale,
+    /// The gradients of the gated form's eight inputs (the units' as `[T, U, w]`), given the
+    /// table's and the forward's `projection`; `previous_rows` (read where `with_previous_rows`)
+    /// is added to the units'. With `input_views > 0`, `input_grad [T, input_views, w]` is the
+    /// gradient of the block input `u = A_in S` that the table's rows `0..input_views` make from
+    /// the units: its parts of the table's and the units' gradients are added here, for the
+    /// block input's backward.
+    #[fusion(meta = |units, mixing_weights, depth_weights, gain, mixing_scale, depth_scale,
         mixing_static, depth_static, _, _, _, _, _, _, _, _, _, _| (
-        rows.clone(),
+        units.clone(),
         mixing_weights.clone(),
         depth_weights.clone(),
         gain.clone(),
@@ -309,7 +332,7 @@ pub(crate) trait ConnectionTableBackend: Backend {
     ))]
     #[allow(clippy::too_many_arguments, clippy::type_complexity)]
     fn gated_table_backward(
-        rows: FloatTensor<Self>,
+        units: FloatTensor<Self>,
         mixing_weights: FloatTensor<Self>,
         depth_weights: FloatTensor<Self>,
         gain: FloatTensor<Self>,
@@ -338,20 +361,23 @@ pub(crate) trait ConnectionTableBackend: Backend {
         FloatTensor<Self>,
     );
 
-    /// The normalised form's table `[T, n + 2, n]`; `matrices [m, n²]` the mixture's where
-    /// `mixtures = m > 0`, else Sinkhorn-Knopp (and `matrices` unread). Second, the projection
-    /// `[x_t Φ | ‖x_t‖²]` per token (`[T, 2n + r + 1]`), which the backward takes back rather
-    /// than projecting the rows again (a constant to the graph).
-    #[fusion(meta = |rows, _, _, _, _, _, _, streams, mixtures, _, _, _, _, _, _, _, _| (
-        TensorSpec::new(Shape::new([rows.shape[0], *streams + 2, *streams]), rows.dtype),
+    /// The normalised form's table `[T, n + 2, n]` for `units [T, n, C]`; `matrices [m, n²]` the
+    /// mixture's where `mixtures = m > 0`, else Sinkhorn-Knopp (and `matrices` unread). Second,
+    /// the projection `[x_t Φ | √(‖x_t‖² + c)]` per token (`[T, 2n + r + 1]`), which the backward
+    /// takes back rather than projecting the rows again (a constant to the graph). Third, the
+    /// block input `Σ_k H_pre[k] S_k` (`[T, 1, C]`), as in
+    /// [`gated_table`](Self::gated_table).
+    #[fusion(meta = |units, _, _, _, _, _, _, streams, mixtures, _, _, _, _, _, _, _, _| (
+        TensorSpec::new(Shape::new([units.shape[0], *streams + 2, *streams]), units.dtype),
         TensorSpec::new(
-            Shape::new([rows.shape[0], normalised_columns(*streams, *mixtures) + 1]),
-            rows.dtype,
+            Shape::new([units.shape[0], normalised_columns(*streams, *mixtures) + 1]),
+            units.dtype,
         ),
+        TensorSpec::new(Shape::new([units.shape[0], 1, units.shape[2]]), units.dtype),
     ))]
     #[allow(clippy::too_many_arguments, clippy::type_complexity)]
     fn normalised_table(
-        rows: FloatTensor<Self>,
+        units: FloatTensor<Self>,
         weights: FloatTensor<Self>,
         input_scale: FloatTensor<Self>,
         depth_scale: FloatTensor<Self>,
@@ -368,15 +394,16 @@ pub(crate) trait ConnectionTableBackend: Backend {
         offset: f64,
         root_offset: f64,
         slot: u64,
-    ) -> (FloatTensor<Self>, FloatTensor<Self>);
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>);
 
-    /// The gradients of the normalised form's six inputs (not the mixture's matrices), given
-    /// the table's and the forward's `projection` (its last column each row's `√(‖x‖² + c)`,
-    /// so `c` is not passed again); `previous_rows`, `input_grad` (`[T, 1, C]`) and
-    /// `input_views` (0 or 1) as in [`gated_table_backward`](Self::gated_table_backward).
-    #[fusion(meta = |rows, weights, input_scale, depth_scale, residual_scale, bias, _, _, _, _, _,
-        _, _, _, _, _, _, _, _, _, _| (
-        rows.clone(),
+    /// The gradients of the normalised form's six inputs (not the mixture's matrices; the
+    /// units' as `[T, n, C]`), given the table's and the forward's `projection` (its last column
+    /// each row's `√(‖x‖² + c)`, so `c` is not passed again); `previous_rows`, `input_grad`
+    /// (`[T, 1, C]`) and `input_views` (0 or 1) as in
+    /// [`gated_table_backward`](Self::gated_table_backward).
+    #[fusion(meta = |units, weights, input_scale, depth_scale, residual_scale, bias, _, _, _, _,
+        _, _, _, _, _, _, _, _, _, _, _| (
+        units.clone(),
         weights.clone(),
         input_scale.clone(),
         depth_scale.clone(),
@@ -385,7 +412,7 @@ pub(crate) trait ConnectionTableBackend: Backend {
     ))]
     #[allow(clippy::too_many_arguments, clippy::type_complexity)]
     fn normalised_table_backward(
-        rows: FloatTensor<Self>,
+        units: FloatTensor<Self>,
         weights: FloatTensor<Self>,
         input_scale: FloatTensor<Self>,
         depth_scale: FloatTensor<Self>,
@@ -561,9 +588,31 @@ impl<B: ConnectionTableBackend> Backward<B, 7> for NormalisedTable {
     }
 }
 
-impl<B: ConnectionTableBackend, C: CheckpointStrategy> ConnectionTableBackend for Autodiff<B, C> {
+/// The block input a table's kernel made (`[T, V, w]`), recorded under autodiff as the mixing
+/// of the table's view rows with the units, whose backward hands its gradient to the table's.
+fn made_block_input<B, C>(
+    table: &FloatTensor<Autodiff<B, C>>,
+    units: FloatTensor<Autodiff<B, C>>,
+    input: FloatTensor<B>,
+    slot: u64,
+) -> FloatTensor<Autodiff<B, C>>
+where
+    B: ConnectionTableBackend + UnitKernelsBackend,
+    C: CheckpointStrategy,
+{
+    let views = input.shape()[1];
+    made_mix::<B, C>(table.clone(), units, input, [0, views], slot)
+}
+
+// The table ops' autodiff takes the unit kernels' too: the block input they make is recorded as
+// the unit mixing of their view rows (both extensions come with `cube-kernels`).
+impl<B, C> ConnectionTableBackend for Autodiff<B, C>
+where
+    B: ConnectionTableBackend + UnitKernelsBackend,
+    C: CheckpointStrategy,
+{
     fn gated_table(
-        rows: FloatTensor<Self>,
+        units: FloatTensor<Self>,
         mixing_weights: FloatTensor<Self>,
         depth_weights: FloatTensor<Self>,
         gain: FloatTensor<Self>,
@@ -576,7 +625,7 @@ impl<B: ConnectionTableBackend, C: CheckpointStrategy> ConnectionTableBackend fo
         offset: f64,
         floor: f64,
         slot: u64,
-    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
         let constants = GatedConstants {
             tanh,
             scale: RowScale {
@@ -587,10 +636,10 @@ impl<B: ConnectionTableBackend, C: CheckpointStrategy> ConnectionTableBackend fo
             },
             slot,
         };
-        let (table, projection) = tracked_op_saving::<B, C, _, _, _>(
+        let (table, (projection, input)) = tracked_op_saving::<B, C, _, _, _>(
             GatedTable,
             [
-                rows,
+                units.clone(),
                 mixing_weights,
                 depth_weights,
                 gain,
@@ -599,18 +648,20 @@ impl<B: ConnectionTableBackend, C: CheckpointStrategy> ConnectionTableBackend fo
                 mixing_static,
                 depth_static,
             ],
-            |[rows, mw, dw, gain, ms, ds, mst, dst]| {
-                B::gated_table(
-                    rows, mw, dw, gain, ms, ds, mst, dst, tanh, numerator, offset, floor, slot,
-                )
+            |[units, mw, dw, gain, ms, ds, mst, dst]| {
+                let (table, projection, input) = B::gated_table(
+                    units, mw, dw, gain, ms, ds, mst, dst, tanh, numerator, offset, floor, slot,
+                );
+                (table, (projection, input))
             },
-            |nodes, _, projection| (nodes, constants, projection),
+            |nodes, _, (projection, _)| (nodes, constants, projection),
         );
-        (table, constant::<B, C>(projection))
+        let input = made_block_input::<B, C>(&table, units, input, slot);
+        (table, constant::<B, C>(projection), input)
     }
 
     fn gated_table_backward(
-        rows: FloatTensor<Self>,
+        units: FloatTensor<Self>,
         mixing_weights: FloatTensor<Self>,
         depth_weights: FloatTensor<Self>,
         gain: FloatTensor<Self>,
@@ -640,7 +691,7 @@ impl<B: ConnectionTableBackend, C: CheckpointStrategy> ConnectionTableBackend fo
     ) {
         // First-order only: the gradients are constants to the graph.
         let (a, b, c, d, e, f, g, h) = B::gated_table_backward(
-            rows.into_primitive(),
+            units.into_primitive(),
             mixing_weights.into_primitive(),
             depth_weights.into_primitive(),
             gain.into_primitive(),
@@ -672,7 +723,7 @@ impl<B: ConnectionTableBackend, C: CheckpointStrategy> ConnectionTableBackend fo
     }
 
     fn normalised_table(
-        rows: FloatTensor<Self>,
+        units: FloatTensor<Self>,
         weights: FloatTensor<Self>,
         input_scale: FloatTensor<Self>,
         depth_scale: FloatTensor<Self>,
@@ -689,7 +740,7 @@ impl<B: ConnectionTableBackend, C: CheckpointStrategy> ConnectionTableBackend fo
         offset: f64,
         root_offset: f64,
         slot: u64,
-    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
         let constants = NormalisedConstants {
             streams,
             mixtures,
@@ -701,10 +752,10 @@ impl<B: ConnectionTableBackend, C: CheckpointStrategy> ConnectionTableBackend fo
             offset,
             slot,
         };
-        let (table, projection) = tracked_op_saving::<B, C, _, _, _>(
+        let (table, (projection, input)) = tracked_op_saving::<B, C, _, _, _>(
             NormalisedTable,
             [
-                rows,
+                units.clone(),
                 weights,
                 input_scale,
                 depth_scale,
@@ -712,9 +763,9 @@ impl<B: ConnectionTableBackend, C: CheckpointStrategy> ConnectionTableBackend fo
                 bias,
                 matrices,
             ],
-            |[rows, weights, a_in, a_depth, a_res, bias, matrices]| {
-                B::normalised_table(
-                    rows,
+            |[units, weights, a_in, a_depth, a_res, bias, matrices]| {
+                let (table, projection, input) = B::normalised_table(
+                    units,
                     weights,
                     a_in,
                     a_depth,
@@ -731,15 +782,17 @@ impl<B: ConnectionTableBackend, C: CheckpointStrategy> ConnectionTableBackend fo
                     offset,
                     root_offset,
                     slot,
-                )
+                );
+                (table, (projection, input))
             },
-            |nodes, _, projection| (nodes, constants, projection),
+            |nodes, _, (projection, _)| (nodes, constants, projection),
         );
-        (table, constant::<B, C>(projection))
+        let input = made_block_input::<B, C>(&table, units, input, slot);
+        (table, constant::<B, C>(projection), input)
     }
 
     fn normalised_table_backward(
-        rows: FloatTensor<Self>,
+        units: FloatTensor<Self>,
         weights: FloatTensor<Self>,
         input_scale: FloatTensor<Self>,
         depth_scale: FloatTensor<Self>,
@@ -770,7 +823,7 @@ impl<B: ConnectionTableBackend, C: CheckpointStrategy> ConnectionTableBackend fo
     ) {
         // First-order only: the gradients are constants to the graph.
         let (a, b, c, d, e, f) = B::normalised_table_backward(
-            rows.into_primitive(),
+            units.into_primitive(),
             weights.into_primitive(),
             input_scale.into_primitive(),
             depth_scale.into_primitive(),

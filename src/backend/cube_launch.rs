@@ -122,11 +122,14 @@ pub(crate) enum GatedWeights {
 ///   for the normalised table's products with `Φ` (mHC's, V4's, mHC-lite's);
 /// - `gated_weights`, `BURN_CONNECTIVITY_GATED_WEIGHTS`: `staged` or `direct` (default), for
 ///   the gated table's reads of `W`;
-/// - `gated_rows`, `BURN_CONNECTIVITY_GATED_ROWS`: rows per cube of the gated table's kernels,
-///   each entry's weights read once for all of them, a power of two from 1 (default) to 8.
+/// - `gated_rows`, `BURN_CONNECTIVITY_GATED_ROWS`: rows per cube of the gated table's backward
+///   kernel, each entry's weights read once for all of them, a power of two from 1 (default) to
+///   8. Its forward kernel takes whole tokens (the block input it makes needs all of a token's
+///   `U` rows): `max(1, R / U)` tokens a cube, so one token's rows by default.
 ///
-///   The gated defaults are the kernels the fifth lease measured; the other forms were not yet
-///   measured on a GPU.
+///   The backward's defaults are the kernels the fifth lease measured; the forward's one token
+///   a cube (since the block input moved into it) and the other forms were not yet measured on
+///   a GPU.
 ///
 /// One more, `half_sums_in_f32` (see [`float_types`]), has no variable: only the tests turn it
 /// off, the mutation that their half-precision checks must tell apart. The tests run the
@@ -380,16 +383,38 @@ const PRODUCT_ROWS: usize = 32;
 /// an H200. `BURN_CONNECTIVITY_WEIGHTS_PRODUCT` picks the matmul or the rows per step, to
 /// measure the forms on one GPU ([`Knobs`]).
 pub(crate) fn weights_product(rows: CubeTensor, scaled_grad: CubeTensor) -> CubeTensor {
+    if knobs().weights_product == ProductPath::Matmul {
+        return Cube::float_matmul(Cube::float_swap_dims(rows, 0, 1), scaled_grad);
+    }
+    let dtype = rows.dtype;
+    let width = rows.meta.shape()[1];
+    let columns = scaled_grad.meta.shape()[1];
+    let sums = column_sums(weights_product_partials(rows, scaled_grad), dtype);
+    Cube::float_reshape(sums, Shape::new([width, columns]))
+}
+
+/// [`weights_product`] as partial sums `[chunks, w · C]` in the summing type
+/// ([`summing_dtype`]), whose sum over the chunks is the product: for a kernel that takes the
+/// product on and sums the chunks itself, in place of [`column_sums`]' launch. (Through Burn's
+/// matmul, the product itself as one chunk.)
+pub(crate) fn weights_product_partials(rows: CubeTensor, scaled_grad: CubeTensor) -> CubeTensor {
+    let [count, width] = rows.meta.shape().dims::<2>();
+    let columns = scaled_grad.meta.shape()[1];
     let rows_per_step = match knobs().weights_product {
         ProductPath::Matmul => {
-            return Cube::float_matmul(Cube::float_swap_dims(rows, 0, 1), scaled_grad);
+            let summing = summing_dtype(rows.dtype);
+            let product = Cube::float_matmul(Cube::float_swap_dims(rows, 0, 1), scaled_grad);
+            let product = if product.dtype == summing {
+                product
+            } else {
+                Cube::float_cast(product, summing.into())
+            };
+            return Cube::float_reshape(into_contiguous(product), Shape::new([1, width * columns]));
         }
         ProductPath::Kernel { rows_per_step } => rows_per_step,
     };
     let rows = into_contiguous(rows);
     let scaled_grad = into_contiguous(scaled_grad);
-    let [count, width] = rows.meta.shape().dims::<2>();
-    let columns = scaled_grad.meta.shape()[1];
     let threads = (width.next_power_of_two())
         .min(256)
         .min(rows.client.properties().hardware.max_units_per_cube as usize);
@@ -412,8 +437,7 @@ pub(crate) fn weights_product(rows: CubeTensor, scaled_grad: CubeTensor) -> Cube
         rows_per_step,
         float_types(rows.dtype),
     );
-    let sums = column_sums(partials, rows.dtype);
-    Cube::float_reshape(sums, Shape::new([width, columns]))
+    partials
 }
 
 /// `(rows, width)` of a `[..., width]` tensor: its last axis and the rows before it.

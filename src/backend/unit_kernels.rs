@@ -297,6 +297,24 @@ pub(crate) fn mix(
     Tensor::from_dispatch(output)
 }
 
+/// `output`, the mixing `W S` of the rows `first..first + rows` of `weights` with `units` that
+/// another op's kernel made (a connection table's block input), recorded under autodiff as
+/// [`unit_mix`](UnitKernelsBackend::unit_mix) would record it: its backward is that mixing's.
+pub(super) fn made_mix<B: UnitKernelsBackend, C: CheckpointStrategy>(
+    weights: FloatTensor<Autodiff<B, C>>,
+    units: FloatTensor<Autodiff<B, C>>,
+    output: FloatTensor<B>,
+    [first, rows]: [usize; 2],
+    slot: u64,
+) -> FloatTensor<Autodiff<B, C>> {
+    tracked_op::<B, C, _, _>(
+        Mix,
+        [weights, units],
+        |_| output,
+        |nodes, _| (nodes, [first, rows], slot),
+    )
+}
+
 #[derive(Debug)]
 struct Projection;
 

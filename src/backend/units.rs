@@ -255,14 +255,15 @@ impl LayerOps {
     }
 
     /// The layer's connections as one table `[T, V + U + 1, U]` through the CubeCL kernels
-    /// (see [`connection_tables`](super::connection_tables)), with the gradient slot its mixes
-    /// share (see [`gradient_slots`](super::gradient_slots)), where this pass runs them and
-    /// every input has the rows' float type; `None` where the caller composes them.
+    /// (see [`connection_tables`](super::connection_tables)), the block input `A_inᵀ S`
+    /// (`[T, V, w]`) made by the same kernel, and the gradient slot the table's mixes share (see
+    /// [`gradient_slots`](super::gradient_slots)), where this pass runs them and every input has
+    /// the rows' float type; `None` where the caller composes them.
     #[cfg(feature = "cube-kernels")]
     pub(crate) fn table<F: super::TableForm>(
         &self,
         inputs: impl FnOnce() -> F,
-    ) -> Option<(Tensor<3>, u64)> {
+    ) -> Option<(Tensor<3>, Tensor<3>, u64)> {
         if !matches!(self.ops, UnitOps::Kernels) {
             return None;
         }
@@ -272,7 +273,8 @@ impl LayerOps {
             return None;
         }
         let slot = super::gradient_slots::new_key();
-        Some((inputs.table(slot), slot))
+        let (table, input) = inputs.table(slot);
+        Some((table, input, slot))
     }
 }
 

@@ -215,20 +215,19 @@ const VARIANTS: [&str; 13] = [
 ///   processes) within the crate's plan: one per block more launches one kernel too many;
 /// - **Burn's kernels** at most `MOST_BURN_EXTRA` per block over the residual's: a fall back
 ///   to composed tensor ops costs tens of them;
-/// - **the whole count within its target** for H-ACN, ANCRe and DWA.
+/// - **the whole count within its target**.
 ///
-/// HC's and mHC's whole counts are not asserted: they are not within their target in every
-/// process. CubeCL's autotune picks, once per process and by timing, between the fused kernel
-/// of each block's LayerNorm forward (with the ops around it) and its fallback; these tie on
-/// lavapipe, and HC's norms (after one of the crate's kernels) share their key with the
-/// residual's first norm only. HC's train step then counts 7.50 to 9.75 extra per block on one
-/// commit (8.50 of them its own); see BENCHMARKS.md, "HC and mHC over their kernel target in
-/// some processes".
+/// The whole count varies between processes: CubeCL's autotune picks, once per process and by
+/// timing, between the fused kernel of each block's LayerNorm forward (with the ops around it)
+/// and its fallback; these tie on lavapipe, and a connectivity's norms (after one of the crate's
+/// kernels) share their key with the residual's first norm only. Burn's part of HC's count then
+/// moves by −1.00 to +1.25 per block on one commit (see BENCHMARKS.md, "HC and mHC over their
+/// kernel target in some processes"); HC's and mHC's own 6.50 keep them within 8 either way.
 /// Whole counts that miss are counted again in fresh processes, each deciding anew
 /// (`CUBECL_AUTOTUNE_CACHE=0`); the test fails after `COUNT_TRIES` misses in a row.
 #[cfg(feature = "wgpu")]
 #[test]
-fn train_step_kernel_counts_keep_the_crates_plan_and_the_targets_that_hold() {
+fn train_step_kernel_counts_keep_the_crates_plan_and_meet_the_targets() {
     let _alone = one_tool_at_a_time();
     const COUNT_TRIES: usize = 4;
     // The variants with a train-step target, as `--variants` names them, with their target and
@@ -236,12 +235,10 @@ fn train_step_kernel_counts_keep_the_crates_plan_and_the_targets_that_hold() {
     const TARGETED: [(&str, f64, f64); 5] = [
         ("hacn", 2.0, 1.0),
         ("ancre", 3.0, 2.75),
-        ("hc", 8.0, 8.5),
-        ("mhc", 8.0, 8.5),
+        ("hc", 8.0, 6.5),
+        ("mhc", 8.0, 6.5),
         ("dwa", 3.0, 2.5),
     ];
-    // Whose whole count is asserted (see above).
-    const WHOLE_COUNT_ASSERTED: [&str; 3] = ["hacn", "ancre", "dwa"];
     // Burn's kernels per block over the residual's: its autotune moves them by -1.0 to +1.25
     // (HC, seen); the composed forms cost tens.
     const MOST_BURN_EXTRA: f64 = 2.0;
@@ -298,9 +295,9 @@ fn train_step_kernel_counts_keep_the_crates_plan_and_the_targets_that_hold() {
         let (_, target, _) = TARGETED.iter().find(|(name, ..)| *name == variant).unwrap();
         (whole <= *target, whole)
     };
-    let mut missed: Vec<(&str, Vec<f64>)> = WHOLE_COUNT_ASSERTED
-        .into_iter()
-        .filter_map(|variant| {
+    let mut missed: Vec<(&str, Vec<f64>)> = names
+        .iter()
+        .filter_map(|&variant| {
             let (met, whole) = within(&stdout, variant);
             (!met).then(|| (variant, vec![whole]))
         })

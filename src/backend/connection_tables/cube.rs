@@ -11,7 +11,7 @@ use cubecl::{CubeCount, CubeDim};
 use super::{ConnectionTableBackend, normalised_columns};
 use crate::backend::cube_launch::{
     Cube, GatedWeights, Knobs, ProjectionPath, RowTiles, empty, float_types, knobs, per_element,
-    per_item, threads_for, weights_product,
+    per_item, threads_for, weights_product_partials,
 };
 use crate::backend::kernel_constant;
 use kernels::{
@@ -39,9 +39,21 @@ fn cubes(count: usize, threads: usize) -> (CubeCount, CubeDim) {
     )
 }
 
+/// The units `[T, U, w]`, contiguous, as the kernels' rows `[T·U, w]` (a view), with their
+/// shape.
+fn unit_rows(units: FloatTensor<CubeBackend>) -> (FloatTensor<CubeBackend>, [usize; 3]) {
+    let units = into_contiguous(units);
+    let shape = units.meta.shape().dims::<3>();
+    let [tokens, count, width] = shape;
+    (
+        Cube::float_reshape(units, Shape::new([tokens * count, width])),
+        shape,
+    )
+}
+
 impl ConnectionTableBackend for CubeBackend {
     fn gated_table(
-        rows: FloatTensor<Self>,
+        units: FloatTensor<Self>,
         mixing_weights: FloatTensor<Self>,
         depth_weights: FloatTensor<Self>,
         gain: FloatTensor<Self>,
@@ -54,20 +66,27 @@ impl ConnectionTableBackend for CubeBackend {
         offset: f64,
         floor: f64,
         _slot: u64,
-    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-        let rows = into_contiguous(rows);
-        let [count, _] = rows.meta.shape().dims::<2>();
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        let (rows, [tokens, count, width]) = unit_rows(units);
         let columns = mixing_weights.meta.shape()[1];
-        let units = mixing_static.meta.shape()[0];
-        let table = empty(&rows, Shape::new([count / units, columns + 1, units]));
-        let projection = empty(&rows, Shape::new([count, columns + 2]));
+        let views = columns - count;
+        let table = empty(&rows, Shape::new([tokens, columns + 1, count]));
+        let projection = empty(&rows, Shape::new([tokens * count, columns + 2]));
+        let input = empty(&rows, Shape::new([tokens, views, width]));
         let Knobs {
             gated_weights,
             gated_rows,
             ..
         } = knobs();
-        let threads = threads_for(&rows, gated_rows * (columns + 2), MOST_THREADS);
-        let (launch_cubes, dim) = per_item(&rows, count.div_ceil(gated_rows), threads);
+        // Whole tokens per cube, for the block input: as many as fit the knob's rows (one at
+        // least).
+        let tokens_per_cube = (gated_rows / count).max(1);
+        let threads = threads_for(
+            &rows,
+            tokens_per_cube * count * (columns + 2),
+            MOST_THREADS,
+        );
+        let (launch_cubes, dim) = per_item(&rows, tokens.div_ceil(tokens_per_cube), threads);
         gated_forward_kernel::launch(
             &rows.client,
             launch_cubes,
@@ -82,10 +101,11 @@ impl ConnectionTableBackend for CubeBackend {
             into_contiguous(depth_static).into_tensor_arg(),
             table.clone().into_tensor_arg(),
             projection.clone().into_tensor_arg(),
+            input.clone().into_tensor_arg(),
             columns,
-            units,
+            count,
             threads,
-            gated_rows,
+            tokens_per_cube,
             tanh,
             gated_weights == GatedWeights::Staged,
             kernel_constant(numerator),
@@ -93,11 +113,11 @@ impl ConnectionTableBackend for CubeBackend {
             kernel_constant(floor),
             float_types(rows.dtype),
         );
-        (table, projection)
+        (table, projection, input)
     }
 
     fn gated_table_backward(
-        rows: FloatTensor<Self>,
+        units: FloatTensor<Self>,
         mixing_weights: FloatTensor<Self>,
         depth_weights: FloatTensor<Self>,
         gain: FloatTensor<Self>,
@@ -125,7 +145,7 @@ impl ConnectionTableBackend for CubeBackend {
         FloatTensor<Self>,
         FloatTensor<Self>,
     ) {
-        let rows = into_contiguous(rows);
+        let (rows, unit_shape) = unit_rows(units);
         let mixing_weights = into_contiguous(mixing_weights);
         let depth_weights = into_contiguous(depth_weights);
         let gain = into_contiguous(gain);
@@ -185,7 +205,7 @@ impl ConnectionTableBackend for CubeBackend {
             kernel_constant(floor),
             float_types(rows.dtype),
         );
-        let product = weights_product(rows.clone(), scaled_grad);
+        let product_parts = weights_product_partials(rows.clone(), scaled_grad);
         let grad_mixing_weights = empty(&rows, Shape::new([width, columns]));
         let grad_depth_weights = empty(&rows, Shape::new([width]));
         let grad_gain = empty(&rows, Shape::new([width]));
@@ -193,13 +213,14 @@ impl ConnectionTableBackend for CubeBackend {
         let grad_depth_scale = empty(&rows, Shape::new([1]));
         let grad_mixing_static = empty(&rows, Shape::new([units, columns]));
         let grad_depth_static = empty(&rows, Shape::new([units]));
-        let row_cubes = width.div_ceil(SUM_THREADS);
+        // Whole rows of `H = xᵀ (s δ)` (`columns + 1` entries each) per cube.
+        let row_cubes = width.div_ceil(SUM_THREADS / (columns + 1));
         let (launch_cubes, dim) = cubes(row_cubes + (columns + 1) * units + 2, SUM_THREADS);
         gated_finish_kernel::launch(
             &rows.client,
             launch_cubes,
             dim,
-            product.into_tensor_arg(),
+            product_parts.into_tensor_arg(),
             mixing_weights.into_tensor_arg(),
             depth_weights.into_tensor_arg(),
             gain.into_tensor_arg(),
@@ -221,7 +242,7 @@ impl ConnectionTableBackend for CubeBackend {
             float_types(rows.dtype),
         );
         (
-            grad_rows,
+            Cube::float_reshape(grad_rows, Shape::new(unit_shape)),
             grad_mixing_weights,
             grad_depth_weights,
             grad_gain,
@@ -233,7 +254,7 @@ impl ConnectionTableBackend for CubeBackend {
     }
 
     fn normalised_table(
-        rows: FloatTensor<Self>,
+        units: FloatTensor<Self>,
         weights: FloatTensor<Self>,
         input_scale: FloatTensor<Self>,
         depth_scale: FloatTensor<Self>,
@@ -250,12 +271,14 @@ impl ConnectionTableBackend for CubeBackend {
         offset: f64,
         root_offset: f64,
         _slot: u64,
-    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-        let rows = into_contiguous(rows);
-        let tokens = rows.meta.shape()[0];
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        let (units, [tokens, _, unit_width]) = unit_rows(units);
+        // The kernels' rows are the tokens, each its `n` units flattened.
+        let rows = Cube::float_reshape(units, Shape::new([tokens, streams * unit_width]));
         let columns = normalised_columns(streams, mixtures);
         let table = empty(&rows, Shape::new([tokens, streams + 2, streams]));
         let projection = empty(&rows, Shape::new([tokens, columns + 1]));
+        let input = empty(&rows, Shape::new([tokens, 1, unit_width]));
         let tiles = RowTiles::new(&rows, columns, columns + 1, 0);
         let (launch_cubes, dim) = tiles.launch(&rows, tokens);
         let packed_scales = packed(&input_scale);
@@ -284,6 +307,7 @@ impl ConnectionTableBackend for CubeBackend {
             into_contiguous(matrices).into_tensor_arg(),
             table.clone().into_tensor_arg(),
             projection.clone().into_tensor_arg(),
+            input.clone().into_tensor_arg(),
             streams,
             mixtures,
             iterations,
@@ -299,11 +323,11 @@ impl ConnectionTableBackend for CubeBackend {
             kernel_constant(root_offset),
             float_types(rows.dtype),
         );
-        (table, projection)
+        (table, projection, input)
     }
 
     fn normalised_table_backward(
-        rows: FloatTensor<Self>,
+        units: FloatTensor<Self>,
         weights: FloatTensor<Self>,
         input_scale: FloatTensor<Self>,
         depth_scale: FloatTensor<Self>,
@@ -332,8 +356,10 @@ impl ConnectionTableBackend for CubeBackend {
         FloatTensor<Self>,
         FloatTensor<Self>,
     ) {
-        let rows = into_contiguous(rows);
-        let [tokens, width] = rows.meta.shape().dims::<2>();
+        let (units, unit_shape) = unit_rows(units);
+        let [tokens, _, unit_width] = unit_shape;
+        let width = streams * unit_width;
+        let rows = Cube::float_reshape(units, Shape::new([tokens, width]));
         let columns = normalised_columns(streams, mixtures);
         let scaled_grad = empty(&rows, Shape::new([tokens, columns]));
         let partials = empty(&rows, Shape::new([tokens, columns + 3]));
@@ -417,18 +443,25 @@ impl ConnectionTableBackend for CubeBackend {
         } else {
             grad_rows
         };
-        let grad_weights = weights_product(rows.clone(), scaled_grad);
+        let product_parts = weights_product_partials(rows.clone(), scaled_grad);
+        let grad_weights = empty(&rows, Shape::new([width, columns]));
         // Shaped as the scales: `[3]` each where packed (the last two then unwritten: their
         // inputs are detached, so no gradient of theirs is registered).
         let [grad_input_scale, grad_depth_scale, grad_residual_scale] =
             scale_shapes.map(|shape| empty(&rows, shape));
         let grad_bias = empty(&rows, Shape::new([columns]));
-        let (launch_cubes, dim) = cubes(columns + 3, SUM_THREADS);
+        // After the sums over the tokens, one unit per entry of `∂Φ`.
+        let (launch_cubes, dim) = cubes(
+            columns + 3 + (width * columns).div_ceil(SUM_THREADS),
+            SUM_THREADS,
+        );
         normalised_finish_kernel::launch(
             &rows.client,
             launch_cubes,
             dim,
             partials.into_tensor_arg(),
+            product_parts.into_tensor_arg(),
+            grad_weights.clone().into_tensor_arg(),
             grad_input_scale.clone().into_tensor_arg(),
             grad_depth_scale.clone().into_tensor_arg(),
             grad_residual_scale.clone().into_tensor_arg(),
@@ -439,7 +472,7 @@ impl ConnectionTableBackend for CubeBackend {
             float_types(rows.dtype),
         );
         (
-            grad_rows,
+            Cube::float_reshape(grad_rows, Shape::new(unit_shape)),
             grad_weights,
             grad_input_scale,
             grad_depth_scale,
@@ -606,8 +639,10 @@ mod kernels {
         slope
     }
 
-    /// One cube per `rows_per_cube` consecutive rows (see `gated_projection`), then per row
-    /// its projection and norm kept for the backward and its entries of the table.
+    /// One cube per `tokens_per_cube` consecutive tokens, their `U` rows each (see
+    /// `gated_projection`); then per row its projection and norm kept for the backward and its
+    /// entries of the table; then the tokens' block input `u[t, v] = Σ_q A_in[q, v] x_{tU+q}`
+    /// from their view rows (kept in shared memory, as stored) in a second pass over their rows.
     #[cube(launch)]
     #[allow(clippy::too_many_arguments)]
     pub(super) fn gated_forward_kernel<E: Float, A: Float>(
@@ -621,10 +656,11 @@ mod kernels {
         depth_static: &Tensor<E>,
         table: &mut Tensor<E>,
         projection: &mut Tensor<E>,
+        input: &mut Tensor<E>,
         #[comptime] columns: usize,
         #[comptime] units: usize,
         #[comptime] threads: usize,
-        #[comptime] rows_per_cube: usize,
+        #[comptime] tokens_per_cube: usize,
         #[comptime] tanh: bool,
         #[comptime] staged: bool,
         #[comptime] numerator_bits: u32,
@@ -633,11 +669,13 @@ mod kernels {
         #[define(E, A)] _dtypes: [ElemType; 2],
     ) {
         let count = rows.shape(0);
+        let rows_per_cube = comptime!(tokens_per_cube * units);
         let first = CUBE_POS * rows_per_cube;
         if first >= count {
             terminate!();
         }
         let slots = comptime!(columns + 2);
+        let views = comptime!(columns - units);
         // The partial sums, and with `staged` first the weights' blocks (`columns | 1` apart).
         let mut shared =
             Shared::<[A]>::new_slice(comptime!(threads * rows_per_cube * (columns + 2)));
@@ -653,6 +691,8 @@ mod kernels {
             rows_per_cube,
             staged,
         );
+        // `A_in[q, v]` of the cube's tokens, at `(k · V + v) · U + q` for its token `k`.
+        let mut view_weights = Shared::<[A]>::new_slice(comptime!(rows_per_cube * views));
         for r in 0..rows_per_cube {
             let row = first + r;
             if row < count {
@@ -688,7 +728,36 @@ mod kernels {
                         depth_scale[0] * value + depth_static[q]
                     };
                     table[(t * comptime!(columns + 1) + c) * units + q] = entry;
+                    if c < views {
+                        view_weights[((r / units) * views + c) * units + q] = A::cast_from(entry);
+                    }
                     c += threads;
+                }
+            }
+        }
+        sync_cube();
+        let width = rows.shape(1);
+        let first_token = CUBE_POS * tokens_per_cube;
+        let mut x = Array::<A>::new(units);
+        for k in 0..tokens_per_cube {
+            let t = first_token + k;
+            if t * units < count {
+                let mut j = UNIT_POS as usize;
+                while j < width {
+                    #[unroll]
+                    for q in 0..units {
+                        x[q] = A::cast_from(rows[(t * units + q) * width + j]);
+                    }
+                    #[unroll]
+                    for v in 0..views {
+                        let mut total = A::new(0.0);
+                        #[unroll]
+                        for q in 0..units {
+                            total += view_weights[(k * views + v) * units + q] * x[q];
+                        }
+                        input[(t * views + v) * width + j] = E::cast_from(total);
+                    }
+                    j += threads;
                 }
             }
         }
@@ -962,13 +1031,16 @@ mod kernels {
         total
     }
 
-    /// Cubes `0..row_cubes`: `∂W`, `∂v`, `∂γ` from `H`, one unit per row of `W`; then one cube
-    /// per entry of `A` and `b` (sums of the table's gradient over the tokens) and one per
-    /// scalar (sums of the per-row partials).
+    /// Cubes `0..row_cubes`: `∂W`, `∂v`, `∂γ` from `H = xᵀ (s δ)`, whole rows of `H` a cube
+    /// (`threads / (columns + 1)` of them): one unit per entry of `H` sums its partial sums over
+    /// the chunks of `product_parts [chunks, w · (columns + 1)]` (in the summing type `A`), then
+    /// one unit per row takes `∂γ`'s sum over the row; then one cube per entry of `A` and `b`
+    /// (sums of the table's gradient over the tokens) and one per scalar (sums of the per-row
+    /// partials).
     #[cube(launch)]
     #[allow(clippy::too_many_arguments)]
     pub(super) fn gated_finish_kernel<E: Float, A: Float>(
-        product: &Tensor<E>,
+        product_parts: &Tensor<A>,
         mixing_weights: &Tensor<E>,
         depth_weights: &Tensor<E>,
         gain: &Tensor<E>,
@@ -994,19 +1066,38 @@ mod kernels {
         let entries = grad.shape(1) * grad.shape(2);
         let mut shared = Shared::<[A]>::new_slice(threads);
         if cube < row_cubes {
-            let j = cube * threads + unit;
-            if j < gain.len() {
-                let g = E::new(1.0) + gain[j];
-                let mut total = E::new(0.0);
-                for c in 0..columns {
-                    let h = product[j * comptime!(columns + 1) + c];
-                    grad_mixing_weights[j * columns + c] = g * h;
-                    total += mixing_weights[j * columns + c] * h;
+            let steps = comptime!(columns + 1);
+            let rows_per_cube = comptime!(threads / (columns + 1));
+            let width = gain.len();
+            let first = cube * rows_per_cube;
+            // Entry `unit` of the cube's rows: consecutive units read consecutive partial sums.
+            let j = first + unit / steps;
+            let c = unit % steps;
+            if unit < comptime!(rows_per_cube * (columns + 1)) && j < width {
+                let stride = width * steps;
+                let mut h = A::new(0.0);
+                for chunk in 0..product_parts.shape(0) {
+                    h += product_parts[chunk * stride + j * steps + c];
                 }
-                let h = product[j * comptime!(columns + 1) + columns];
-                grad_depth_weights[j] = g * h;
-                grad_gain[j] = total + depth_weights[j] * h;
+                shared[unit] = h;
+                let g = E::new(1.0) + gain[j];
+                if c < columns {
+                    grad_mixing_weights[j * columns + c] = g * E::cast_from(h);
+                } else {
+                    grad_depth_weights[j] = g * E::cast_from(h);
+                }
             }
+            sync_cube();
+            let j = first + unit;
+            if unit < rows_per_cube && j < width {
+                let at = unit * steps;
+                let mut total = A::cast_from(depth_weights[j]) * shared[at + columns];
+                for c in 0..columns {
+                    total += A::cast_from(mixing_weights[j * columns + c]) * shared[at + c];
+                }
+                grad_gain[j] = E::cast_from(total);
+            }
+            sync_cube();
         }
         // The sums (a cube of `W`'s rows takes part with nothing): entry k = c · U + q of the
         // table's gradient over the tokens, or a scalar's column of the per-row partials.
@@ -1114,7 +1205,9 @@ mod kernels {
 
     /// One cube per `threads / group` token rows (see [`RowTiles`]): their projections
     /// through shared weight tiles (or, with `given_projection`, read from `given` and only
-    /// their sums of squares made here), then one unit per row for the small per-row work.
+    /// their sums of squares made here), then one unit per row for the small per-row work,
+    /// then the rows' block input `u_t = Σ_k H_pre[k] S_k` (`H_pre` kept in shared memory, as
+    /// stored) in a second pass over the rows.
     #[cube(launch)]
     #[allow(clippy::too_many_arguments)]
     pub(super) fn normalised_forward_kernel<E: Float, A: Float>(
@@ -1128,6 +1221,7 @@ mod kernels {
         matrices: &Tensor<E>,
         table: &mut Tensor<E>,
         projection: &mut Tensor<E>,
+        input: &mut Tensor<E>,
         #[comptime] n: usize,
         #[comptime] mixtures: usize,
         #[comptime] iterations: usize,
@@ -1186,6 +1280,8 @@ mod kernels {
         }
         let unit = UNIT_POS as usize;
         let row = first + unit;
+        // `H_pre` of the cube's rows, `n` a row.
+        let mut input_weights = Shared::<[A]>::new_slice(comptime!(rows_per_cube * n));
         if unit < rows_per_cube && row < rows.shape(0) {
             let at = unit * comptime!(group * slots);
             // `xΦ` and `ρ = √(‖x‖² + c)`, kept for the backward, which then projects nothing
@@ -1217,8 +1313,9 @@ mod kernels {
             );
             let base = row * comptime!((n + 2) * n);
             for k in 0..n {
-                table[base + k] =
-                    E::cast_from(sigmoid::<A>(z[k]) + constant::<A>(input_offset_bits));
+                let pre = E::cast_from(sigmoid::<A>(z[k]) + constant::<A>(input_offset_bits));
+                table[base + k] = pre;
+                input_weights[unit * n + k] = A::cast_from(pre);
                 table[base + comptime!((n + 1) * n) + k] =
                     E::cast_from(constant::<A>(depth_factor_bits) * sigmoid::<A>(z[n + k]));
             }
@@ -1250,6 +1347,24 @@ mod kernels {
             for k in 0..n {
                 for i in 0..n {
                     table[base + (1 + i) * n + k] = E::cast_from(matrix[k * n + i]);
+                }
+            }
+        }
+        sync_cube();
+        let unit_width = rows.shape(1) / n;
+        for r in 0..rows_per_cube {
+            let row = first + r;
+            if row < rows.shape(0) {
+                let mut j = unit;
+                while j < unit_width {
+                    let mut total = A::new(0.0);
+                    #[unroll]
+                    for k in 0..n {
+                        total += input_weights[r * n + k]
+                            * A::cast_from(rows[(row * n + k) * unit_width + j]);
+                    }
+                    input[row * unit_width + j] = E::cast_from(total);
+                    j += comptime!(tiles.threads);
                 }
             }
         }
@@ -1523,10 +1638,15 @@ mod kernels {
     }
 
     /// One cube per column of `partials [T, columns + 3]`: its sum over the tokens, to `∂c`
-    /// or to one of the three scalars (all three into the first where they are packed).
+    /// or to one of the three scalars (all three into the first where they are packed). Then
+    /// one unit per entry of `∂Φ`: its partial sums over the chunks of
+    /// `product_parts [chunks, N · columns]` (in the summing type `A`).
     #[cube(launch)]
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn normalised_finish_kernel<E: Float, A: Float>(
         partials: &Tensor<E>,
+        product_parts: &Tensor<A>,
+        grad_weights: &mut Tensor<E>,
         grad_input_scale: &mut Tensor<E>,
         grad_depth_scale: &mut Tensor<E>,
         grad_residual_scale: &mut Tensor<E>,
@@ -1537,6 +1657,18 @@ mod kernels {
         #[define(E, A)] _dtypes: [ElemType; 2],
     ) {
         let k = CUBE_POS;
+        if k >= comptime!(columns + 3) {
+            let entry = (k - comptime!(columns + 3)) * threads + UNIT_POS as usize;
+            let entries = grad_weights.len();
+            if entry < entries {
+                let mut total = A::new(0.0);
+                for chunk in 0..product_parts.shape(0) {
+                    total += product_parts[chunk * entries + entry];
+                }
+                grad_weights[entry] = E::cast_from(total);
+            }
+            terminate!();
+        }
         let mut shared = Shared::<[A]>::new_slice(threads);
         let part = strided_part::<E, A>(partials, k, partials.shape(1), partials.shape(0), threads);
         let total = E::cast_from(cube_total::<A>(part, &mut shared));

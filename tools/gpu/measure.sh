@@ -41,13 +41,16 @@
 #   profile-gated   the profile of HC with each form of its gated table's kernels in
 #                   $GATED_FORMS (default "direct:4 staged:4 staged:1"), WEIGHTS:ROWS: the
 #                   weights read directly or staged in shared memory
-#                   (BURN_CONNECTIVITY_GATED_WEIGHTS), ROWS rows per cube
-#                   (BURN_CONNECTIVITY_GATED_ROWS); cuda-profile has the default, direct:1
+#                   (BURN_CONNECTIVITY_GATED_WEIGHTS), ROWS rows per cube of the backward
+#                   (BURN_CONNECTIVITY_GATED_ROWS; the forward takes max(1, ROWS / 4) tokens
+#                   of HC's 4 rows a cube, since 5d7d13c); cuda-profile has the default,
+#                   direct:1
 #   gated-train     the train step of HC on CUDA in the form $GATED_FORM (default staged:4)
 #   ncu-tables      Nsight Compute's throughput, occupancy, launch and memory sections for the
 #                   first forward, backward and weights' product of mHC's table, then HC's
-#                   gated forward and backward, as measured (direct:1) and staged:4 (where
-#                   ncu exists)
+#                   gated forward and backward, in the default form (direct:1; its forward a
+#                   token a cube since 5d7d13c, one row a cube when the fifth lease measured
+#                   it) and staged:4 (where ncu exists)
 #   conformance     the golden vectors on CUDA in f64 (`--float f64`: f32 matrix products run
 #                   in TF32 there, which the f32 tolerances do not allow; each file's checks as
 #                   it finishes)

@@ -81,11 +81,7 @@ impl ConnectionTableBackend for CubeBackend {
         // Whole tokens per cube, for the block input: as many as fit the knob's rows (one at
         // least).
         let tokens_per_cube = (gated_rows / count).max(1);
-        let threads = threads_for(
-            &rows,
-            tokens_per_cube * count * (columns + 2),
-            MOST_THREADS,
-        );
+        let threads = threads_for(&rows, tokens_per_cube * count * (columns + 2), MOST_THREADS);
         let (launch_cubes, dim) = per_item(&rows, tokens.div_ceil(tokens_per_cube), threads);
         gated_forward_kernel::launch(
             &rows.client,

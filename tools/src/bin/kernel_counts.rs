@@ -32,7 +32,7 @@
 //! then one JSON line per variant and pass,
 //!
 //! ```text
-//! {"variant": "mhc", "pass": "train_step", "depth": 4, "kernels": 110, "extra_per_block": 8.25, "own_kernels": 42, "own_extra_per_block": 8.50, "device": "wgpu", "trained_input": false}
+//! {"variant": "mhc", "pass": "train_step", "depth": 4, "kernels": 98, "extra_per_block": 5.50, "own_kernels": 34, "own_extra_per_block": 6.50, "device": "wgpu", "trained_input": false}
 //! ```
 //!
 //! (`pass`: `forward`, `forward_autodiff` or `train_step`); and the kernels of one connectivity

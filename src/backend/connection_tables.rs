@@ -486,7 +486,7 @@ impl<B: ConnectionTableBackend> Backward<B, 8> for GatedTable {
     ) {
         let grad = grads.consume::<B>(&ops.node);
         let (nodes, GatedConstants { tanh, scale, slot }, projection) = ops.state;
-        let [rows, mw, dw, gain, ms, ds, mst, dst] =
+        let [units, mw, dw, gain, ms, ds, mst, dst] =
             nodes.map(|id| checkpointer.retrieve_node_output(id));
         // The units' gradient the next units' backward left, and the block input's gradient
         // its backward left, added in the kernel.
@@ -494,7 +494,7 @@ impl<B: ConnectionTableBackend> Backward<B, 8> for GatedTable {
         let with_previous = previous.is_some();
         let (input_grad, input_views) = take_input::<B>(slot, &grad);
         let (a, b, c, d, e, f, g, h) = B::gated_table_backward(
-            rows,
+            units,
             mw,
             dw,
             gain,
@@ -547,7 +547,7 @@ impl<B: ConnectionTableBackend> Backward<B, 7> for NormalisedTable {
         let grad = grads.consume::<B>(&ops.node);
         let (nodes, k, projection) = ops.state;
         let [
-            rows,
+            units,
             weights,
             input_scale,
             depth_scale,
@@ -560,7 +560,7 @@ impl<B: ConnectionTableBackend> Backward<B, 7> for NormalisedTable {
         let with_previous = previous.is_some();
         let (input_grad, input_views) = take_input::<B>(k.slot, &grad);
         let (a, b, c, d, e, f) = B::normalised_table_backward(
-            rows,
+            units,
             weights,
             input_scale,
             depth_scale,

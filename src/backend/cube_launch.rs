@@ -614,7 +614,13 @@ pub(crate) mod kernels {
 
     /// Entries `start .. start + threads` of `weights [w, columns]` (any strides: `contiguous`
     /// says whether they are `[columns, 1]`) into `tile`, `padded` apart, zero past `w`. The
-    /// units read consecutive addresses in either layout.
+    /// units read consecutive addresses in either layout. The cube must have `threads` units
+    /// (every caller launches it so).
+    ///
+    /// The tile has `threads · columns` entries, so each unit loads exactly `columns` of them,
+    /// all issued before the first is stored: a loop of load-then-store pairs waits one load's
+    /// latency per entry (24 a tile for mHC) unless the GPU's compiler unrolls it, and the
+    /// tiled row kernels' few rows per cube leave a GPU few other units to hide it with.
     #[cube]
     pub(crate) fn load_weight_tile<E: Float, A: Float>(
         weights: &Tensor<E>,
@@ -626,23 +632,44 @@ pub(crate) mod kernels {
         #[comptime] contiguous: bool,
     ) {
         let width = weights.shape(0);
-        let count = comptime!(threads * columns);
-        let mut index = UNIT_POS as usize;
-        while index < count {
-            let mut entry = index % threads;
-            let mut c = index / threads;
-            if comptime!(contiguous) {
-                entry = index / columns;
-                c = index % columns;
-            }
+        let unit = UNIT_POS as usize;
+        let mut values = Array::<A>::new(columns);
+        #[unroll]
+        for i in 0..columns {
+            let (entry, c) = tile_place(unit, i, columns, threads, contiguous);
             let j = start + entry;
             let mut value = A::new(0.0);
             if j < width {
                 value = A::cast_from(weight_at::<E>(weights, j, c, columns, contiguous));
             }
-            tile[entry * padded + c] = value;
-            index += threads;
+            values[i] = value;
         }
+        #[unroll]
+        for i in 0..columns {
+            let (entry, c) = tile_place(unit, i, columns, threads, contiguous);
+            tile[entry * padded + c] = values[i];
+        }
+    }
+
+    /// `(entry, column)` of load `i` of `unit` in [`load_weight_tile`]: index `unit + i ·
+    /// threads` of the tile in the weights' own order, so that consecutive units read
+    /// consecutive addresses.
+    #[cube]
+    fn tile_place(
+        unit: usize,
+        #[comptime] i: usize,
+        #[comptime] columns: usize,
+        #[comptime] threads: usize,
+        #[comptime] contiguous: bool,
+    ) -> (usize, usize) {
+        let index = unit + comptime!(i * threads);
+        let mut entry = index % threads;
+        let mut c = index / threads;
+        if comptime!(contiguous) {
+            entry = index / columns;
+            c = index % columns;
+        }
+        (entry, c)
     }
 
     /// The unit's entries `start + in_group + e · group` (`e < threads / group`) of its row of

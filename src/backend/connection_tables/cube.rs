@@ -81,7 +81,14 @@ impl ConnectionTableBackend for CubeBackend {
         // Whole tokens per cube, for the block input: as many as fit the knob's rows (one at
         // least).
         let tokens_per_cube = (gated_rows / count).max(1);
-        let threads = threads_for(&rows, tokens_per_cube * count * (columns + 2), MOST_THREADS);
+        // Per unit, the cube's rows' partial sums; the rows' view weights (`views` a row, for
+        // the block input) counted per unit too, which over-counts them but keeps the sum
+        // within the budget at every cube size.
+        let threads = threads_for(
+            &rows,
+            tokens_per_cube * count * (columns + 2 + views),
+            MOST_THREADS,
+        );
         let (launch_cubes, dim) = per_item(&rows, tokens.div_ceil(tokens_per_cube), threads);
         gated_forward_kernel::launch(
             &rows.client,
@@ -275,7 +282,8 @@ impl ConnectionTableBackend for CubeBackend {
         let table = empty(&rows, Shape::new([tokens, streams + 2, streams]));
         let projection = empty(&rows, Shape::new([tokens, columns + 1]));
         let input = empty(&rows, Shape::new([tokens, 1, unit_width]));
-        let tiles = RowTiles::new(&rows, columns, columns + 1, 0);
+        // (`streams` more entries a row: the rows' `H_pre`, kept for the block input)
+        let tiles = RowTiles::new(&rows, columns, columns + 1, streams);
         let (launch_cubes, dim) = tiles.launch(&rows, tokens);
         let packed_scales = packed(&input_scale);
         let contiguous_weights = weights.is_contiguous();
@@ -446,8 +454,11 @@ impl ConnectionTableBackend for CubeBackend {
         let [grad_input_scale, grad_depth_scale, grad_residual_scale] =
             scale_shapes.map(|shape| empty(&rows, shape));
         let grad_bias = empty(&rows, Shape::new([columns]));
-        // After the sums over the tokens, one unit per entry of `∂Φ`.
-        let (launch_cubes, dim) = cubes(
+        // After the sums over the tokens, one unit per entry of `∂Φ`: past 65535 cubes at
+        // wide rows, so spread over the grid's dimensions (the kernel takes the cube's linear
+        // position; cubes past the last entry write nothing).
+        let (launch_cubes, dim) = per_item(
+            &rows,
             columns + 3 + (width * columns).div_ceil(SUM_THREADS),
             SUM_THREADS,
         );

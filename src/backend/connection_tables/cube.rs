@@ -6,7 +6,6 @@ use burn::backend::tensor::FloatTensor;
 use burn::tensor::Shape;
 use burn_cubecl::CubeBackend;
 use burn_cubecl::kernel::into_contiguous;
-use cubecl::{CubeCount, CubeDim};
 
 use super::{ConnectionTableBackend, normalised_columns};
 use crate::backend::cube_launch::{
@@ -29,14 +28,6 @@ const SUM_THREADS: usize = 256;
 /// rather than as three `[1]` tensors.
 fn packed(input_scale: &FloatTensor<CubeBackend>) -> bool {
     input_scale.meta.shape().num_elements() == 3
-}
-
-/// One cube per item, `threads` units each, for the summing kernels.
-fn cubes(count: usize, threads: usize) -> (CubeCount, CubeDim) {
-    (
-        CubeCount::Static(count as u32, 1, 1),
-        CubeDim::new_1d(threads as u32),
-    )
 }
 
 /// The units `[T, U, w]`, contiguous, as the kernels' rows `[T·U, w]` (a view), with their
@@ -216,9 +207,12 @@ impl ConnectionTableBackend for CubeBackend {
         let grad_depth_scale = empty(&rows, Shape::new([1]));
         let grad_mixing_static = empty(&rows, Shape::new([units, columns]));
         let grad_depth_static = empty(&rows, Shape::new([units]));
-        // Whole rows of `H = xᵀ (s δ)` (`columns + 1` entries each) per cube.
+        // Whole rows of `H = xᵀ (s δ)` (`columns + 1` entries each) per cube, then the sums
+        // over the tokens; spread over the grid's dimensions as the normalised form's (the
+        // kernel takes the cube's linear position; cubes past the last sum do nothing).
         let row_cubes = width.div_ceil(SUM_THREADS / (columns + 1));
-        let (launch_cubes, dim) = cubes(row_cubes + (columns + 1) * units + 2, SUM_THREADS);
+        let (launch_cubes, dim) =
+            per_item(&rows, row_cubes + (columns + 1) * units + 2, SUM_THREADS);
         gated_finish_kernel::launch(
             &rows.client,
             launch_cubes,
@@ -1071,6 +1065,11 @@ mod kernels {
         let cube = CUBE_POS;
         let unit = UNIT_POS as usize;
         let entries = grad.shape(1) * grad.shape(2);
+        // A grid spread over its dimensions rounds the cubes up: the extra ones (a whole cube
+        // each, so before any `sync_cube`) would sum past `partials`' two columns.
+        if cube >= row_cubes + entries + 2 {
+            terminate!();
+        }
         let mut shared = Shared::<[A]>::new_slice(threads);
         if cube < row_cubes {
             let steps = comptime!(columns + 1);

@@ -17,7 +17,10 @@
 //! on CUDA, where Burn's f32 matrix products run in TF32 (about three decimal digits, so f32
 //! runs there miss the f32 tolerances), this checks the crate's kernels without TF32. Flex,
 //! NdArray and CUDA only: it is refused on wgpu, Vulkan and Metal, and leaves them out of the
-//! default device list (see `tests/golden/README.md`).
+//! default device list (see `tests/golden/README.md`). `--float f16|bf16` runs them in a half
+//! type, each check's tolerance at least a few of the type's roundoffs of the reference's scale
+//! (`checks::Floors`); a default device without the type is left out (bf16 on wgpu), a named
+//! one is an error.
 
 mod checks;
 
@@ -32,8 +35,10 @@ struct Flags {
     devices: Vec<String>,
     /// The golden files to check, by name (`hc`, `mhc`, ...); all where empty.
     only: Vec<String>,
-    /// The float type the models and inputs run in (`--float f32|f64`, default f32).
+    /// The float type the models and inputs run in (`--float f32|f64|f16|bf16`, default f32).
     float: FloatDType,
+    /// Whether `devices` were named (`--device`), not the compiled backends by default.
+    named: bool,
 }
 
 /// The backends whose f64 results Burn 0.22.1 gets wrong (see `tests/golden/README.md`).
@@ -55,7 +60,9 @@ fn parse(args: impl Iterator<Item = String>) -> Result<Flags, String> {
                 float = match value("--float")?.as_str() {
                     "f32" => FloatDType::F32,
                     "f64" => FloatDType::F64,
-                    other => return Err(format!("--float {other}: f32 or f64")),
+                    "f16" => FloatDType::F16,
+                    "bf16" => FloatDType::BF16,
+                    other => return Err(format!("--float {other}: f32, f64, f16 or bf16")),
                 }
             }
             _ => {} // libtest's flags and filters
@@ -70,7 +77,8 @@ fn parse(args: impl Iterator<Item = String>) -> Result<Flags, String> {
             NO_F64.join(", ")
         ));
     }
-    if devices.is_empty() {
+    let named = !devices.is_empty();
+    if !named {
         let skip_wgpu = std::env::var_os("BURN_CONNECTIVITY_SKIP_WGPU").is_some();
         devices = compiled_backends()
             .into_iter()
@@ -90,6 +98,7 @@ fn parse(args: impl Iterator<Item = String>) -> Result<Flags, String> {
         devices,
         only,
         float,
+        named,
     })
 }
 
@@ -110,6 +119,7 @@ fn run() -> Result<bool, String> {
         &flags.dir.join("nonexistent"),
         &burn::prelude::Device::flex(),
         &[],
+        checks::Floors::default(),
         |_, _| {},
     )
     .is_ok()
@@ -126,14 +136,21 @@ fn run() -> Result<bool, String> {
         let mut device = device(name).map_err(|err| err.to_string())?;
         if flags.float != FloatDType::F32 {
             // Before any tensor on the device: its default float type locks on first use.
-            device
-                .configure(flags.float)
-                .map_err(|err| format!("{name}: --float {:?}: {err}", flags.float))?;
+            if let Err(err) = device.configure(flags.float) {
+                let message = format!("{name}: --float {:?}: {err}", flags.float);
+                if flags.named {
+                    return Err(message);
+                }
+                // A default device without the type (bf16 on wgpu) is left out, and said so.
+                println!("== {message}: left out");
+                continue;
+            }
         }
         println!("== {name} ({:?})", flags.float);
         // Each file's lines as soon as its checks are done: on a GPU the first run of a check
         // compiles its kernels, and a run cut off by a time limit keeps the files it finished.
-        let results = checks::run_dir(&flags.dir, &device, &flags.only, |_, checks| {
+        let floors = checks::Floors::for_float(flags.float);
+        let results = checks::run_dir(&flags.dir, &device, &flags.only, floors, |_, checks| {
             for check in checks {
                 println!("{name} {check}");
             }

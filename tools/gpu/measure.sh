@@ -57,6 +57,9 @@
 #   conformance-tables  the same, HC, mHC, V4 and mHC-lite only
 #   conformance-f32 the golden vectors on CUDA in f32, TF32 products included (a record of
 #                   TF32's error, not a pass/fail check)
+#   conformance-half  the golden vectors on CUDA in bf16, then f16 (tolerances of a few of the
+#                   type's roundoffs: tests/golden/README.md), the crate's kernels in the types
+#                   GPUs train in; never run on a GPU before
 #   tables-train    the train step of HC and mHC on CUDA
 #   tables-train-group  the same with the row kernels' units per row set to $ROW_GROUP (default 32)
 #   new-tables      the train step of V4 and mHC-lite on CUDA (their connection tables)
@@ -344,6 +347,10 @@ run_stage() {
     conformance)
         golden 240 conformance.log --float f64
         grep -aE 'passed|FAIL' "$OUT/conformance.log" | tail -5 ;;
+    conformance-half)
+        golden 150 conformance-half.log --float bf16
+        golden 150 conformance-half.log --float f16
+        grep -aE 'passed|FAIL|error' "$OUT/conformance-half.log" | tail -20 ;;
     conformance-f32)
         golden 240 conformance-f32.log
         grep -aE 'passed' "$OUT/conformance-f32.log" | tail -2 ;;

@@ -171,6 +171,10 @@ fn run() -> Result<bool, String> {
             failed += checks.iter().filter(|check| !check.passed()).count();
         }
     }
+    if total == 0 {
+        // Every default device left out: a run that checked nothing has not passed.
+        return Err(format!("--float {:?}: no device ran a check", flags.float));
+    }
     println!("{} passed, {failed} failed", total - failed);
     Ok(failed == 0)
 }

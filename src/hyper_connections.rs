@@ -520,6 +520,30 @@ mod tests {
         }
     }
 
+    /// Past one launch axis (65535 cubes on wgpu): 70000 tokens, a cube per token in the
+    /// gated table's forward and the stream mixes and a cube per row in its backward, spread
+    /// over a second axis; every value and gradient equals the composed form's (on Flex).
+    #[cfg(feature = "wgpu")]
+    #[test]
+    fn connection_table_kernels_past_one_launch_axis() {
+        use crate::backend::Knobs;
+        use crate::test_util::{Perturbed, assert_table_kernels_match_flex};
+        let (streams, tokens, width) = (2, 70_000, 8);
+        let hc = HyperConnectionsConfig::new(width)
+            .with_streams(streams)
+            .init(1, &Device::flex().autodiff())
+            .expect("valid config")
+            .map(&mut Perturbed::new(0.5));
+        assert_table_kernels_match_flex(
+            &hc,
+            [tokens, streams, width],
+            1.0,
+            Knobs::default(),
+            |hc, grads| hc.layers[0].gradient_data(grads),
+            &format!("n={streams} T={tokens} d={width}"),
+        );
+    }
+
     /// In f16 the gated table's kernels sum in f32: the rows' norms and projections over a
     /// width of 2¹⁸ (4096 products a unit at 64 units a cube), the table and every gradient of
     /// [`table_part_results`](crate::test_util::table_part_results). Kept in f16, a unit's sum

@@ -588,6 +588,40 @@ mod tests {
         }
     }
 
+    /// Past one launch axis (65535 cubes on wgpu), every value and gradient equal to the
+    /// composed form's (on Flex): 270000 tokens at 32 units a row, 4 rows a cube of the row
+    /// kernels (67500 cubes); and rows of 786432 entries, whose `∂Φ` (24 columns) the finishing
+    /// kernel writes one entry a unit (73728 cubes of 256). Those rows too at 32 units a row:
+    /// at 8 a unit's loops over a row run 98304 times, past lavapipe's 65535 iterations of an
+    /// invocation in all, and it leaves the rest of the row's `∂x` unwritten, silently.
+    #[cfg(feature = "wgpu")]
+    #[test]
+    fn connection_table_kernels_past_one_launch_axis() {
+        use crate::backend::Knobs;
+        use crate::test_util::{Perturbed, assert_table_kernels_match_flex};
+        let many_rows = Knobs {
+            row_group: 32,
+            ..Knobs::default()
+        };
+        for (streams, tokens, width, knobs) in
+            [(2, 270_000, 4, many_rows), (4, 2, 196_608, many_rows)]
+        {
+            let mhc = MhcConfig::new(width)
+                .with_streams(streams)
+                .init(1, &Device::flex().autodiff())
+                .expect("valid config")
+                .map(&mut Perturbed::new(0.3));
+            assert_table_kernels_match_flex(
+                &mhc,
+                [tokens, streams, width],
+                1.0,
+                knobs,
+                |mhc, grads| mhc.layers[0].gradient_data(grads),
+                &format!("n={streams} tokens={tokens} C={width}"),
+            );
+        }
+    }
+
     /// In f16 the table's kernels keep each token's norm, not its sum of squares: for tokens of
     /// 4 × 1024 entries of RMS 5 (`‖x‖² ≈ 1.0e5`, past f16's largest, 65504) the table, the
     /// layer and every gradient come within 5e-2 of the f32 composed form's, relative to each

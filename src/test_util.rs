@@ -343,6 +343,43 @@ pub fn assert_table_kernels_match_composed<M: crate::multi_stream::MultiStream>(
     }
 }
 
+/// [`table_results`] for the first layer of `connectivity` (on autodiff Flex) through the
+/// CubeCL connection-table kernels on wgpu in the knobs `knobs`, against the composed tensor
+/// ops on Flex, for units of `shape` (entries of deviation `std`, a fixed draw): for launches
+/// past one grid axis (65535 cubes), at sizes where the composed form on lavapipe would be
+/// wrong (its loops stop after 65535 iterations in all, which Burn's reductions over as many
+/// rows reach). `parameters` reads the gradients of the copy it is given.
+#[cfg(feature = "wgpu")]
+pub fn assert_table_kernels_match_flex<M: crate::multi_stream::MultiStream>(
+    connectivity: &M,
+    shape: [usize; 3],
+    std: f64,
+    knobs: crate::backend::Knobs,
+    parameters: impl Fn(&M, &burn::tensor::Gradients) -> Vec<TensorData>,
+    case: &str,
+) {
+    use crate::backend::{LayerOps, UnitOps, with_each_knobs};
+    let flex = Device::flex().autodiff();
+    let units = fixed_normal(shape, std, 7, &flex);
+    let composed = table_results(connectivity, &units, LayerOps::composed, |grads| {
+        parameters(connectivity, grads)
+    });
+    let wgpu = wgpu_autodiff();
+    let on_wgpu = connectivity
+        .clone()
+        .map(&mut OnDeviceAs(wgpu.clone(), burn::tensor::FloatDType::F32));
+    let units = Tensor::<3>::from_data(units.to_data(), &wgpu);
+    let [kernels] = with_each_knobs([knobs], || {
+        table_results(
+            &on_wgpu,
+            &units,
+            || UnitOps::Kernels.layer(),
+            |grads| parameters(&on_wgpu, grads),
+        )
+    });
+    assert_kernels_match(&kernels, &composed, &format!("{case}, {knobs:?}"));
+}
+
 /// The first layer's connections of `connectivity` for `units`, through the ops `ops` makes
 /// (one fresh set per pass): [`table_part_results`], then [`layer_results`].
 #[cfg(feature = "wgpu")]

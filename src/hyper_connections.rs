@@ -521,8 +521,9 @@ mod tests {
     }
 
     /// Past one launch axis (65535 cubes on wgpu): 70000 tokens, a cube per token in the
-    /// gated table's forward and the stream mixes and a cube per row in its backward, spread
-    /// over a second axis; every value and gradient equals the composed form's (on Flex).
+    /// gated table's forward and the stream mixes' backward and a cube per row in the table's
+    /// backward, spread over a second axis; every value and gradient equals the composed
+    /// form's (on Flex).
     #[cfg(feature = "wgpu")]
     #[test]
     fn connection_table_kernels_past_one_launch_axis() {

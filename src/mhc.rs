@@ -603,9 +603,7 @@ mod tests {
             row_group: 32,
             ..Knobs::default()
         };
-        for (streams, tokens, width, knobs) in
-            [(2, 270_000, 4, many_rows), (4, 2, 196_608, many_rows)]
-        {
+        for (streams, tokens, width) in [(2, 270_000, 4), (4, 2, 196_608)] {
             let mhc = MhcConfig::new(width)
                 .with_streams(streams)
                 .init(1, &Device::flex().autodiff())
@@ -615,7 +613,7 @@ mod tests {
                 &mhc,
                 [tokens, streams, width],
                 1.0,
-                knobs,
+                many_rows,
                 |mhc, grads| mhc.layers[0].gradient_data(grads),
                 &format!("n={streams} tokens={tokens} C={width}"),
             );

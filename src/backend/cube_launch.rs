@@ -424,10 +424,13 @@ pub(crate) fn weights_product_partials(rows: CubeTensor, scaled_grad: CubeTensor
         .max(PRODUCT_ROWS);
     let chunks = count.div_ceil(chunk_rows).max(1);
     let partials = empty_partials(&rows, Shape::new([chunks, width * columns]));
+    // Spread over the grid's dimensions (past 65535 cubes at rows of 16.7M entries); the
+    // kernel takes the cube's linear position and stops the cubes past the last chunk.
+    let (launch_cubes, dim) = per_item(&rows, column_cubes * chunks, threads);
     kernels::weights_product_kernel::launch(
         &rows.client,
-        CubeCount::Static((column_cubes * chunks) as u32, 1, 1),
-        CubeDim::new_1d(threads as u32),
+        launch_cubes,
+        dim,
         rows.clone().into_tensor_arg(),
         scaled_grad.into_tensor_arg(),
         partials.clone().into_tensor_arg(),

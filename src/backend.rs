@@ -33,7 +33,7 @@ pub(crate) use connection_tables::{Gated, Normalised, TableForm};
 mod cube_launch;
 #[cfg(all(test, feature = "cube-kernels"))]
 pub(crate) use cube_launch::{GatedWeights, Knobs, ProductPath, ProjectionPath, with_each_knobs};
-#[cfg(feature = "flex")]
+#[cfg(any(feature = "flex", feature = "cube-kernels"))]
 pub(crate) mod fft_conv;
 #[cfg(feature = "flex")]
 mod flex_kernels;

@@ -178,10 +178,11 @@ fn without_broadcast_reduce_fusion() -> Result<(), String> {
 }
 
 /// The variants counted, the residual first (the baseline).
-const COUNTED: [Variant; 12] = [
+const COUNTED: [Variant; 13] = [
     Variant::Residual,
     Variant::Hacn,
     Variant::Ancre,
+    Variant::HyperZzw,
     Variant::Hc,
     Variant::Mhc,
     Variant::Dwa,

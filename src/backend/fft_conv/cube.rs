@@ -16,6 +16,7 @@
 //! A row's transform takes `8n` bytes of shared memory: `T ≤ 2048` in the 32 kB that every
 //! backend offers.
 
+use burn::backend::cubecl::dtype_to_storage_type;
 use burn::backend::ops::FloatTensorOps;
 use burn::backend::tensor::FloatTensor;
 use burn::prelude::*;
@@ -24,7 +25,7 @@ use burn_cubecl::CubeBackend;
 use burn_cubecl::tensor::CubeTensor;
 
 use super::{FftConvBackend, fft_length};
-use crate::backend::cube_launch::{empty, float_types, per_item};
+use crate::backend::cube_launch::{empty, per_item};
 use kernels::{fft_conv_backward_kernel, fft_conv_forward_kernel};
 
 /// Most units per cube: a transform of `n` points has `n / 2` butterflies a stage.
@@ -101,7 +102,7 @@ impl FftConvBackend for CubeBackend {
             launch.n,
             launch.log_n,
             launch.threads,
-            float_types(signal.dtype)[0],
+            dtype_to_storage_type(signal.dtype),
         );
         output
     }
@@ -133,7 +134,7 @@ impl FftConvBackend for CubeBackend {
             launch.n,
             launch.log_n,
             launch.threads,
-            float_types(signal.dtype)[0],
+            dtype_to_storage_type(signal.dtype),
         );
         let grad_kernel = if kernel_batch == 1 && shape[0] > 1 {
             Self::float_sum_dim(grad_kernel, 0)
@@ -144,7 +145,6 @@ impl FftConvBackend for CubeBackend {
     }
 }
 
-#[allow(unused_variables)] // The launch macros take the comptime arguments by value.
 mod kernels {
     use cubecl::prelude::*;
 
@@ -157,7 +157,8 @@ mod kernels {
         (u32::reverse_bits(f as u32) >> comptime!(32 - log_n)) as usize
     }
 
-    /// `(re, im)` of row entry `t` of `tensor [B | 1, C, T]` at `base`, zero past `T`.
+    /// Entry `t` of the row at `base` of `tensor [B | 1, C, T]` (read through its strides), zero
+    /// past `T`.
     #[cube]
     fn entry<E: Float>(tensor: &Tensor<E>, base: usize, t: usize, length: usize) -> f32 {
         let mut value = 0.0f32;
@@ -291,12 +292,6 @@ mod kernels {
         im[at] = value.1;
     }
 
-    /// The row of this cube, or `rows` and above for the cubes a grid over several axes adds.
-    #[cube]
-    fn row_of_cube() -> usize {
-        CUBE_POS
-    }
-
     #[cube(launch)]
     pub(super) fn fft_conv_forward_kernel<E: Float>(
         signal: &Tensor<E>,
@@ -309,8 +304,9 @@ mod kernels {
         #[comptime] threads: usize,
         #[define(E)] _dtype: ElemType,
     ) {
-        let row = row_of_cube();
-        // A whole cube leaves, before any `sync_cube`.
+        // A grid over several axes adds cubes past the last row: each leaves whole, before any
+        // `sync_cube`.
+        let row = CUBE_POS;
         if row >= rows {
             terminate!();
         }
@@ -354,7 +350,7 @@ mod kernels {
         #[comptime] threads: usize,
         #[define(E)] _dtype: ElemType,
     ) {
-        let row = row_of_cube();
+        let row = CUBE_POS;
         if row >= rows {
             terminate!();
         }
@@ -386,8 +382,8 @@ mod kernels {
         let mut t = UNIT_POS as usize;
         while t < n {
             let mut value = 0.0f32;
-            if t >= start && t < start + length {
-                value = f32::cast_from(grad[grad_base + (t - start) * grad.stride(2)]);
+            if t >= start {
+                value = entry::<E>(grad, grad_base, t - start, length);
             }
             re[t] = value;
             im[t] = 0.0;

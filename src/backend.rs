@@ -24,6 +24,8 @@ macro_rules! register_tracked {
 #[cfg(any(feature = "flex", feature = "tch", feature = "cube-kernels"))]
 mod autodiff;
 mod column_gather;
+#[cfg(any(feature = "flex", feature = "cube-kernels"))]
+pub(crate) mod column_renorm;
 pub(crate) use column_gather::{gather_columns, gathers_columns_apart};
 #[cfg(feature = "cube-kernels")]
 mod connection_tables;

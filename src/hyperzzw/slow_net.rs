@@ -228,6 +228,9 @@ impl SlowNet {
     }
 }
 
+/// The floor of s-renormalisation's column norms.
+const RENORM_EPSILON: f64 = 1e-12;
+
 /// `s_renorm(z)_j = a_j z_j + b_j z_j / max(‖z_j‖₂, 1e-12)`, the norm over the grid points.
 #[derive(Module, Debug)]
 pub struct SRenorm {
@@ -248,13 +251,29 @@ impl SRenorm {
 
     /// Applies it to `z: [points, h]`.
     pub fn forward(&self, z: Tensor<2>) -> Tensor<2> {
+        // One op with a backward of its own where the device takes it (a few fused kernels on
+        // CubeCL, where autodiff's backward of the composed form is about 26 small ones).
+        #[cfg(any(feature = "flex", feature = "cube-kernels"))]
+        if crate::backend::column_renorm::takes(&z) {
+            return crate::backend::column_renorm::column_renorm(
+                z,
+                self.a.val(),
+                self.b.val(),
+                RENORM_EPSILON,
+            );
+        }
+        self.composed(z)
+    }
+
+    /// [`SRenorm::forward`] in tensor ops.
+    fn composed(&self, z: Tensor<2>) -> Tensor<2> {
         let hidden = self.a.dims()[0];
         let norm = z
             .clone()
             .powf_scalar(2.0)
             .sum_dim(0)
             .sqrt()
-            .clamp_min(1e-12);
+            .clamp_min(RENORM_EPSILON);
         let (a, b) = (
             self.a.val().reshape([1, hidden]),
             self.b.val().reshape([1, hidden]),

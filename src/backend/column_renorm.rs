@@ -303,6 +303,26 @@ mod tests {
         );
     }
 
+    /// Burn's gradient checkpointing (which recomputes the op's input `z = sin(x)` in the
+    /// backward pass) leaves the gradients of `x`, `a` and `b` as they are.
+    #[test]
+    fn checkpointing_keeps_the_gradients() {
+        crate::test_util::assert_checkpointing_keeps_gradients(|device| {
+            let [x, a, b, w] = inputs(16, 4, 3, device);
+            let leaf = |data: &TensorData| Tensor::<2>::from_data(data.clone(), device);
+            let x = leaf(&x).require_grad();
+            let [a, b] = [a, b].map(|data| leaf(&data).reshape::<1, _>([-1]).require_grad());
+            let y = super::column_renorm(x.clone().sin(), a.clone(), b.clone(), EPSILON);
+            let grads = (y * leaf(&w)).sum().backward();
+            let host = |data: TensorData| data.iter::<f64>().collect::<Vec<_>>();
+            vec![
+                host(x.grad(&grads).expect("tracked").into_data()),
+                host(a.grad(&grads).expect("tracked").into_data()),
+                host(b.grad(&grads).expect("tracked").into_data()),
+            ]
+        });
+    }
+
     fn column_of(data: &TensorData, column: usize) -> TensorData {
         let width = data.shape()[1];
         let values: Vec<f64> = data.iter::<f64>().skip(column).step_by(width).collect();

@@ -193,18 +193,9 @@ mod tests {
         fused: bool,
         [z, a, b, w]: &[TensorData; 4],
     ) -> Vec<TensorData> {
-        let leaf = |data: &TensorData| {
-            Tensor::<2>::from_data(data.clone(), device)
-                .cast(float)
-                .require_grad()
-        };
-        let (z, w) = (leaf(z), leaf(w));
-        let vector = |data: &TensorData| {
-            Tensor::<2>::from_data(data.clone(), device)
-                .cast(float)
-                .reshape::<1, _>([-1])
-                .require_grad()
-        };
+        let matrix = |data: &TensorData| Tensor::<2>::from_data(data.clone(), device).cast(float);
+        let (z, w) = (matrix(z).require_grad(), matrix(w).require_grad());
+        let vector = |data: &TensorData| matrix(data).reshape::<1, _>([-1]).require_grad();
         let (a, b) = (vector(a), vector(b));
         let y = if fused {
             assert!(super::takes(&z));
@@ -272,10 +263,6 @@ mod tests {
             .into_data();
         let data = [zeroed, a.clone(), b.clone(), w.clone()];
         let fused = results(&device, DType::F64, true, &data);
-        let column = |data: &TensorData, column: usize| -> Vec<f64> {
-            let width = data.shape()[1];
-            data.iter::<f64>().skip(column).step_by(width).collect()
-        };
         let (a, b) = (column(&a, 1)[0], column(&b, 1)[0]);
         assert!(column(&fused[0], 1).iter().all(|&y| y == 0.0));
         let expected: Vec<f64> = column(&w, 1)
@@ -295,9 +282,10 @@ mod tests {
             assert_eq!(weights.iter::<f64>().nth(1), Some(0.0));
         }
         let composed = results(&device, DType::F64, false, &data);
+        let first = |data: &TensorData| TensorData::new(column(data, 0), [data.shape()[0]]);
         assert_tensors_close(
-            &[column_of(&fused[1], 0)],
-            &[column_of(&composed[1], 0)],
+            &[first(&fused[1])],
+            &[first(&composed[1])],
             1e-10,
             "the other column's ∂z",
         );
@@ -323,10 +311,9 @@ mod tests {
         });
     }
 
-    fn column_of(data: &TensorData, column: usize) -> TensorData {
+    /// Column `column` of a `[R, C]` matrix's data.
+    fn column(data: &TensorData, column: usize) -> Vec<f64> {
         let width = data.shape()[1];
-        let values: Vec<f64> = data.iter::<f64>().skip(column).step_by(width).collect();
-        let rows = values.len();
-        TensorData::new(values, [rows])
+        data.iter::<f64>().skip(column).step_by(width).collect()
     }
 }

@@ -522,27 +522,35 @@ mod tests {
 
     /// Past one launch axis (65535 cubes on wgpu): 70000 tokens, a cube per token in the
     /// gated table's forward and the stream mixes' backward and a cube per row in the table's
-    /// backward, spread over a second axis; every value and gradient equals the composed
-    /// form's (on Flex).
+    /// backward, spread over a second axis; then a width of 70000 with one unit per cube in
+    /// the weights' product (a cube per entry of a row) and in the finishing kernel's sums over
+    /// `W` (a cube per row of `W`), also past one axis. Every value and gradient equals the
+    /// composed form's (on Flex).
     #[cfg(feature = "wgpu")]
     #[test]
     fn connection_table_kernels_past_one_launch_axis() {
         use crate::backend::Knobs;
         use crate::test_util::{Perturbed, assert_table_kernels_match_flex};
-        let (streams, tokens, width) = (2, 70_000, 8);
-        let hc = HyperConnectionsConfig::new(width)
-            .with_streams(streams)
-            .init(1, &Device::flex().autodiff())
-            .expect("valid config")
-            .map(&mut Perturbed::new(0.5));
-        assert_table_kernels_match_flex(
-            &hc,
-            [tokens, streams, width],
-            1.0,
-            Knobs::default(),
-            |hc, grads| hc.layers[0].gradient_data(grads),
-            &format!("n={streams} T={tokens} d={width}"),
-        );
+        let streams = 2;
+        let one_unit_sums = Knobs {
+            most_summing_units: 1,
+            ..Knobs::default()
+        };
+        for (tokens, width, knobs) in [(70_000, 8, Knobs::default()), (2, 70_000, one_unit_sums)] {
+            let hc = HyperConnectionsConfig::new(width)
+                .with_streams(streams)
+                .init(1, &Device::flex().autodiff())
+                .expect("valid config")
+                .map(&mut Perturbed::new(0.5));
+            assert_table_kernels_match_flex(
+                &hc,
+                [tokens, streams, width],
+                1.0,
+                knobs,
+                |hc, grads| hc.layers[0].gradient_data(grads),
+                &format!("n={streams} T={tokens} d={width}"),
+            );
+        }
     }
 
     /// In f16 the gated table's kernels sum in f32: the rows' norms and projections over a

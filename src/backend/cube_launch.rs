@@ -131,8 +131,12 @@ pub(crate) enum GatedWeights {
 ///   a cube (since the block input moved into it) and the other forms were not yet measured on
 ///   a GPU.
 ///
-/// One more, `half_sums_in_f32` (see [`float_types`]), has no variable: only the tests turn it
-/// off, the mutation that their half-precision checks must tell apart. The tests run the
+/// Two more have no variable: `half_sums_in_f32` (see [`float_types`]), which only the tests
+/// turn off, the mutation that their half-precision checks must tell apart; and
+/// `most_summing_units`, the most units per cube of the weights' product and of the gated
+/// finishing kernel's sums over `W`'s rows (default [`MOST_SUMMING_UNITS`]), which only the
+/// tests lower, so that these launches spread past one grid axis at widths lavapipe can run
+/// (at the default, past 65535 cubes only at rows of millions of entries). The tests run the
 /// kernels with other knobs too (`with_each_knobs`, in test builds).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Knobs {
@@ -142,7 +146,11 @@ pub(crate) struct Knobs {
     pub gated_weights: GatedWeights,
     pub gated_rows: usize,
     pub half_sums_in_f32: bool,
+    pub most_summing_units: usize,
 }
+
+/// Units per cube, at most, of the kernels that sum over a row of `W` (see [`Knobs`]).
+pub(crate) const MOST_SUMMING_UNITS: usize = 256;
 
 impl Default for Knobs {
     fn default() -> Self {
@@ -155,6 +163,7 @@ impl Default for Knobs {
             gated_weights: GatedWeights::Direct,
             gated_rows: 1,
             half_sums_in_f32: true,
+            most_summing_units: MOST_SUMMING_UNITS,
         }
     }
 }
@@ -416,8 +425,9 @@ pub(crate) fn weights_product_partials(rows: CubeTensor, scaled_grad: CubeTensor
     let rows = into_contiguous(rows);
     let scaled_grad = into_contiguous(scaled_grad);
     let threads = (width.next_power_of_two())
-        .min(256)
-        .min(rows.client.properties().hardware.max_units_per_cube as usize);
+        .min(knobs().most_summing_units)
+        .min(rows.client.properties().hardware.max_units_per_cube as usize)
+        .max(1);
     let column_cubes = width.div_ceil(threads);
     let chunk_rows = count
         .div_ceil((PRODUCT_CUBES / column_cubes).max(1))

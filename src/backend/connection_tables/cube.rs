@@ -210,9 +210,14 @@ impl ConnectionTableBackend for CubeBackend {
         // Whole rows of `H = xᵀ (s δ)` (`columns + 1` entries each) per cube, then the sums
         // over the tokens; spread over the grid's dimensions as the normalised form's (the
         // kernel takes the cube's linear position; cubes past the last sum do nothing).
-        let row_cubes = width.div_ceil(SUM_THREADS / (columns + 1));
+        // (Fewer units where the tests lower `most_summing_units`, never fewer than a row's
+        // `columns + 1` entries.)
+        let sum_threads = SUM_THREADS
+            .min(knobs().most_summing_units)
+            .max((columns + 1).next_power_of_two());
+        let row_cubes = width.div_ceil(sum_threads / (columns + 1));
         let (launch_cubes, dim) =
-            per_item(&rows, row_cubes + (columns + 1) * units + 2, SUM_THREADS);
+            per_item(&rows, row_cubes + (columns + 1) * units + 2, sum_threads);
         gated_finish_kernel::launch(
             &rows.client,
             launch_cubes,
@@ -235,7 +240,7 @@ impl ConnectionTableBackend for CubeBackend {
             units,
             input_views,
             row_cubes,
-            SUM_THREADS,
+            sum_threads,
             float_types(rows.dtype),
         );
         (

@@ -33,6 +33,8 @@ mod connection_tables;
 pub(crate) use connection_tables::{Gated, Normalised, TableForm};
 #[cfg(feature = "cube-kernels")]
 mod cube_launch;
+#[cfg(feature = "cube-kernels")]
+pub(crate) mod depthwise_conv;
 #[cfg(all(test, feature = "cube-kernels"))]
 pub(crate) use cube_launch::{GatedWeights, Knobs, ProductPath, ProjectionPath, with_each_knobs};
 #[cfg(any(feature = "flex", feature = "cube-kernels"))]

@@ -11,6 +11,11 @@
 //! s_renorm(z)_j = a_j z_j + b_j z_j / max(‖z_j‖₂, 1e-12)         norm over the grid; a = 1, b = 0.1, learnable
 //! ```
 //!
+//! The pooling and the batch mean are one product with a fixed averaging matrix (`mean_batch`
+//! and `pool_k` are linear, so `R` applies after them, to `k` rows rather than `B·k`). On the
+//! CubeCL backends the depthwise convolution of a 1D branch is one kernel forward and two
+//! backward on the channels-last rows (`backend::depthwise_conv`); elsewhere Burn's `conv1d`.
+//!
 //! The source and target may differ (MuHKGen: a kernel made from one branch convolves another).
 //! The batch mean makes the output depend on the batch's composition, as in the paper.
 //! **Decision** (MATH): `a`, `b` are learnable and the identity term is not detached, unlike
@@ -19,7 +24,7 @@
 use burn::nn::Linear;
 use burn::prelude::*;
 use burn::tensor::Distribution;
-use burn::tensor::module::{adaptive_avg_pool1d, adaptive_avg_pool2d, conv1d, conv2d};
+use burn::tensor::module::{conv1d, conv2d};
 use burn::tensor::ops::ConvOptions;
 
 use crate::activation::gelu;
@@ -133,16 +138,17 @@ impl LocalHyperZzw {
         self.slow_net.out_channels()
     }
 
-    /// The kernel from pooled context `[B, C, points]`, as `[C, points]`.
-    fn kernel_from_pooled(&self, pooled: Tensor<3>) -> Tensor<2> {
-        let points = pooled.dims()[2];
-        let reduced = self.reduce.forward(pooled.swap_dims(1, 2)).mean_dim(0);
-        let hidden = reduced.dims()[2];
-        let context = gelu(self.context.forward(reduced.reshape([points, hidden])));
+    /// The kernel from the batch mean of the pooled source, `[points, C]`, as `[points, C]`.
+    ///
+    /// `mean_batch(pool(X) R + r) = mean_batch(pool(X)) R + r`: the linear `R` after the mean,
+    /// on `points` rows rather than `B · points`.
+    fn kernel_from_pooled(&self, pooled_mean: Tensor<2>) -> Tensor<2> {
+        let reduced = self.reduce.forward(pooled_mean);
+        let context = gelu(self.context.forward(reduced));
         let features = self.slow_net.hidden_with(|layer, z| {
             self.renorm.forward(z) * self.modulators[layer].forward(context.clone())
         });
-        self.slow_net.output.forward(features).transpose()
+        self.slow_net.output.forward(features)
     }
 
     /// The context-dependent kernel of `source: [B, C, T]`, as `[1, C, k]`.
@@ -153,8 +159,13 @@ impl LocalHyperZzw {
     pub fn kernel(&self, source: Tensor<3>) -> Result<Tensor<3>> {
         self.check_dims(1)?;
         self.check(&source.dims(), "local HyperZZW source channels")?;
-        let pooled = adaptive_avg_pool1d(source, self.kernel_size());
-        Ok(self.kernel_from_pooled(pooled).unsqueeze_dim(0))
+        Ok(self.taps(source).transpose().unsqueeze_dim(0))
+    }
+
+    /// [`LocalHyperZzw::kernel`] as `[k, C]` (taps-major), for a checked `source`.
+    fn taps(&self, source: Tensor<3>) -> Tensor<2> {
+        let pooled = batch_mean_pool_1d(source, self.kernel_size());
+        self.kernel_from_pooled(pooled)
     }
 
     /// `depthwise_conv(target, kernel(source))`, both `[B, C, T]`.
@@ -163,15 +174,23 @@ impl LocalHyperZzw {
     /// As [`LocalHyperZzw::kernel`], for either tensor.
     pub fn forward(&self, source: Tensor<3>, target: Tensor<3>) -> Result<Tensor<3>> {
         self.check(&target.dims(), "local HyperZZW target channels")?;
-        let kernel = self.kernel(source)?;
+        self.check_dims(1)?;
+        self.check(&source.dims(), "local HyperZZW source channels")?;
+        let taps = self.taps(source);
+        // On CubeCL, one kernel on the channels-last rows (a swapped view of the connectivity's
+        // streams) in place of Burn's conv1d and its copies.
+        #[cfg(feature = "cube-kernels")]
+        {
+            let rows = target.clone().swap_dims(1, 2);
+            if crate::backend::depthwise_conv::takes(&rows, &taps) {
+                let output = crate::backend::depthwise_conv::depthwise_conv(rows, taps);
+                return Ok(output.swap_dims(1, 2));
+            }
+        }
         let (channels, k) = (self.channels(), self.kernel_size());
         let options = ConvOptions::new([1], [(k - 1) / 2], [1], channels);
-        Ok(conv1d(
-            target,
-            kernel.reshape([channels, 1, k]),
-            None,
-            options,
-        ))
+        let weight = taps.transpose().reshape([channels, 1, k]);
+        Ok(conv1d(target, weight, None, options))
     }
 
     /// The `k x k` kernel of `source: [B, C, H, W]`, as `[1, C, k, k]`.
@@ -180,11 +199,13 @@ impl LocalHyperZzw {
     /// As [`LocalHyperZzw::kernel`], for a 2D branch.
     pub fn kernel_2d(&self, source: Tensor<4>) -> Result<Tensor<4>> {
         self.check_dims(2)?;
-        let [batch, channels, _, _] = source.dims();
+        let channels = source.dims()[1];
         self.check(&source.dims(), "local HyperZZW source channels")?;
         let k = self.kernel_size();
-        let pooled = adaptive_avg_pool2d(source, [k, k]).reshape([batch, channels, k * k]);
-        Ok(self.kernel_from_pooled(pooled).reshape([1, channels, k, k]))
+        Ok(self
+            .kernel_from_pooled(batch_mean_pool_2d(source, k))
+            .transpose()
+            .reshape([1, channels, k, k]))
     }
 
     /// `depthwise_conv2d(target, kernel_2d(source))`, both `[B, C, H, W]`.
@@ -243,6 +264,69 @@ impl LocalHyperZzw {
         }
         Ok(())
     }
+}
+
+/// `mean_batch(adaptive_avg_pool1d(source, k))` of `source [B, C, T]`, as `[k, C]`.
+///
+/// `Q [k, B·T]` times the positions-major rows `[B·T, C]`: the pooling and the batch mean as
+/// one product, with no copy where `source` is a swapped `[B, T, C]` (as the connectivity's
+/// streams are). Burn's pooling took four kernels forward and three backward on CubeCL (packs
+/// and copies around its 2D pooling), the batch mean one more each way.
+fn batch_mean_pool_1d(source: Tensor<3>, k: usize) -> Tensor<2> {
+    let [batch, channels, length] = source.dims();
+    let mut means = vec![0.0; k * batch * length];
+    for (bin, range) in pooling_bins(length, k).into_iter().enumerate() {
+        let weight = 1.0 / (batch * range.len()) as f64;
+        for position in (0..batch).flat_map(|b| range.clone().map(move |t| b * length + t)) {
+            means[bin * batch * length + position] = weight;
+        }
+    }
+    let means = averaging(means, [k, batch * length], &source);
+    means.matmul(source.swap_dims(1, 2).reshape([batch * length, channels]))
+}
+
+/// `mean_batch(adaptive_avg_pool2d(source, [k, k]))` of `source [B, C, H, W]`, as `[k², C]`
+/// (the `k × k` bins row-major): the maps `[B·C, H·W]` times `P [H·W, k²]` (no copy for a
+/// contiguous `source`), then the batch mean.
+fn batch_mean_pool_2d(source: Tensor<4>, k: usize) -> Tensor<2> {
+    let [batch, channels, height, width] = source.dims();
+    let mut means = vec![0.0; height * width * k * k];
+    for (i, rows) in pooling_bins(height, k).into_iter().enumerate() {
+        for (j, columns) in pooling_bins(width, k).into_iter().enumerate() {
+            let weight = 1.0 / (rows.len() * columns.len()) as f64;
+            for (y, x) in rows
+                .clone()
+                .flat_map(|y| columns.clone().map(move |x| (y, x)))
+            {
+                means[(y * width + x) * k * k + i * k + j] = weight;
+            }
+        }
+    }
+    let means = averaging(means, [height * width, k * k], &source);
+    source
+        .reshape([batch * channels, height * width])
+        .matmul(means)
+        .reshape([batch, channels, k * k])
+        .mean_dim(0)
+        .reshape([channels, k * k])
+        .transpose()
+}
+
+/// The positions of adaptive average pooling's `bins` bins over `size` positions (as PyTorch's
+/// and Burn's): bin `i` spans `⌊i·size/bins⌋ .. ⌈(i+1)·size/bins⌉`.
+fn pooling_bins(size: usize, bins: usize) -> Vec<std::ops::Range<usize>> {
+    (0..bins)
+        .map(|i| i * size / bins..((i + 1) * size).div_ceil(bins))
+        .collect()
+}
+
+/// The averaging matrix `values` (row-major, `shape`) on `like`'s device, in its float type.
+fn averaging<const D: usize>(values: Vec<f64>, shape: [usize; 2], like: &Tensor<D>) -> Tensor<2> {
+    let dtype = like.dtype();
+    Tensor::from_data(
+        TensorData::new(values, shape).convert_dtype(dtype),
+        (&like.device(), dtype),
+    )
 }
 
 #[cfg(test)]
@@ -391,5 +475,75 @@ mod tests {
             .unwrap();
         let thin = Tensor::<4>::zeros([1, 4, 2, 8], &device);
         assert!(map.forward_2d(thin.clone(), thin).is_err(), "H < k");
+    }
+
+    /// The pooling and batch mean as products equal Burn's adaptive average pooling then the
+    /// mean over the batch, values and the source's gradient, at sizes that the bins do not
+    /// divide (bins of unequal lengths that overlap), in 1D and 2D, in f64 on Flex and in f32 on
+    /// wgpu (lavapipe).
+    #[test]
+    fn pooling_as_products_matches_adaptive_average_pooling() {
+        use burn::tensor::DType;
+        use burn::tensor::module::{adaptive_avg_pool1d, adaptive_avg_pool2d};
+
+        use crate::test_util::{assert_tensors_close, standard_normal};
+
+        #[cfg_attr(not(feature = "wgpu"), allow(unused_mut))]
+        let mut devices = vec![(Device::flex().autodiff(), DType::F64, 1e-12, 4)];
+        // On lavapipe, one case of each (each shape's kernels compile anew: seconds a shape).
+        #[cfg(feature = "wgpu")]
+        devices.push((crate::test_util::wgpu_autodiff(), DType::F32, 1e-5, 1));
+        for (device, float, relative, cases) in devices {
+            // `(y, ∂source)` for the loss `Σ y ⊙ w`.
+            let results = |source: &TensorData, pool: &dyn Fn(Tensor<3>) -> Tensor<2>| {
+                let source = Tensor::<3>::from_data(source.clone(), &device)
+                    .cast(float)
+                    .require_grad();
+                let pooled = pool(source.clone());
+                let probe = standard_normal(pooled.dims(), 9, &device).cast(float);
+                let grads = (pooled.clone() * probe).sum().backward();
+                let grad = source.grad(&grads).expect("tracked");
+                vec![pooled.into_data(), grad.into_data()]
+            };
+            let shapes = [
+                ([3, 4, 10], 3),
+                ([2, 3, 5], 5),
+                ([1, 2, 7], 3),
+                ([2, 2, 4], 3),
+            ];
+            for (shape, k) in shapes.into_iter().take(cases) {
+                let source = standard_normal(shape, 3, &device).into_data();
+                let [_, channels, _] = shape;
+                assert_tensors_close(
+                    &results(&source, &|x| batch_mean_pool_1d(x, k)),
+                    &results(&source, &|x| {
+                        adaptive_avg_pool1d(x, k)
+                            .mean_dim(0)
+                            .reshape([channels, k])
+                            .transpose()
+                    }),
+                    relative,
+                    &format!("1D {shape:?}, k = {k}, {float:?} on {device:?}"),
+                );
+            }
+            // 2D through a `[B, C, H·W]` view of `[B, C, H, W]`.
+            let maps = [([2, 3, 7, 5], 3), ([1, 2, 3, 4], 3)];
+            for ([batch, channels, height, width], k) in maps.into_iter().take(cases) {
+                let shape = [batch, channels, height * width];
+                let source = standard_normal(shape, 4, &device).into_data();
+                let map = |x: Tensor<3>| x.reshape([batch, channels, height, width]);
+                assert_tensors_close(
+                    &results(&source, &|x| batch_mean_pool_2d(map(x), k)),
+                    &results(&source, &|x| {
+                        adaptive_avg_pool2d(map(x), [k, k])
+                            .mean_dim(0)
+                            .reshape([channels, k * k])
+                            .transpose()
+                    }),
+                    relative,
+                    &format!("2D {height} x {width}, k = {k}, {float:?} on {device:?}"),
+                );
+            }
+        }
     }
 }

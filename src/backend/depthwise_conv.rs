@@ -1,5 +1,6 @@
 //! A depthwise "same" cross-correlation along the positions of `[B, T, C]` rows, with its own
-//! backward, on the CubeCL backends: one kernel forward, two backward.
+//! backward, on the CubeCL backends: one kernel forward, three backward (`∂x`, the taps'
+//! gradient's partial sums, their sum).
 //!
 //! For taps `K [k, C]` (`k` odd, `p = (k − 1) / 2`, zero outside `0..T`):
 //!

@@ -13,7 +13,7 @@
 //!
 //! The pooling and the batch mean are one product with a fixed averaging matrix (`mean_batch`
 //! and `pool_k` are linear, so `R` applies after them, to `k` rows rather than `B·k`). On the
-//! CubeCL backends the depthwise convolution of a 1D branch is one kernel forward and two
+//! CubeCL backends the depthwise convolution of a 1D branch is one kernel forward and three
 //! backward on the channels-last rows (`backend::depthwise_conv`); elsewhere Burn's `conv1d`.
 //!
 //! The source and target may differ (MuHKGen: a kernel made from one branch convolves another).

@@ -372,11 +372,51 @@ pub(crate) fn column_sums(partials: CubeTensor, dtype: DType) -> CubeTensor {
     sums
 }
 
-/// Cubes that [`weights_product`] spreads its rows over (about): enough to fill a large GPU.
+/// Cubes that a [`RowRuns`] sum spreads its rows over (about): enough to fill a large GPU.
 const PRODUCT_CUBES: usize = 512;
 
-/// Rows of `x` a cube of [`weights_product`] takes at least.
+/// Rows a cube of a [`RowRuns`] sum takes at least.
 const PRODUCT_ROWS: usize = 32;
+
+/// The launch of sums over the rows of a `[R, w]` tensor in runs of rows, one unit per column
+/// (consecutive units reading consecutive columns): cube `chunk · column_cubes + j` takes
+/// columns `j · threads ..` of rows `chunk · chunk_rows ..` and writes row `chunk` of a table
+/// of partial sums. The kernel takes the cube's linear position (the grid may spread over its
+/// axes) and stops the cubes past the last chunk.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct RowRuns {
+    pub threads: usize,
+    pub column_cubes: usize,
+    pub chunk_rows: usize,
+    pub chunks: usize,
+}
+
+impl RowRuns {
+    /// Runs over `rows` rows of `width` columns on `like`'s device, at most `most` units a cube.
+    pub(crate) fn new(like: &CubeTensor, rows: usize, width: usize, most: usize) -> Self {
+        let threads = width
+            .next_power_of_two()
+            .min(most)
+            .min(like.client.properties().hardware.max_units_per_cube as usize)
+            .max(1);
+        let column_cubes = width.div_ceil(threads);
+        let chunk_rows = rows
+            .div_ceil((PRODUCT_CUBES / column_cubes).max(1))
+            .max(PRODUCT_ROWS);
+        let chunks = rows.div_ceil(chunk_rows).max(1);
+        Self {
+            threads,
+            column_cubes,
+            chunk_rows,
+            chunks,
+        }
+    }
+
+    /// The cubes of every run.
+    pub(crate) fn launch(&self, like: &CubeTensor) -> (CubeCount, CubeDim) {
+        per_item(like, self.column_cubes * self.chunks, self.threads)
+    }
+}
 
 /// `xᵀ (s ⊙ δ)` for `rows [R, w]` and `scaled_grad [R, C]`, the gradient of a projection's
 /// weights (`[w, C]`, `C` a few dozen at most), summed as [`float_types`] says.
@@ -424,19 +464,10 @@ pub(crate) fn weights_product_partials(rows: CubeTensor, scaled_grad: CubeTensor
     };
     let rows = into_contiguous(rows);
     let scaled_grad = into_contiguous(scaled_grad);
-    let threads = (width.next_power_of_two())
-        .min(knobs().most_summing_units)
-        .min(rows.client.properties().hardware.max_units_per_cube as usize)
-        .max(1);
-    let column_cubes = width.div_ceil(threads);
-    let chunk_rows = count
-        .div_ceil((PRODUCT_CUBES / column_cubes).max(1))
-        .max(PRODUCT_ROWS);
-    let chunks = count.div_ceil(chunk_rows).max(1);
-    let partials = empty_partials(&rows, Shape::new([chunks, width * columns]));
-    // Spread over the grid's dimensions (past 65535 cubes at rows of 16.7M entries); the
-    // kernel takes the cube's linear position and stops the cubes past the last chunk.
-    let (launch_cubes, dim) = per_item(&rows, column_cubes * chunks, threads);
+    let runs = RowRuns::new(&rows, count, width, knobs().most_summing_units);
+    let partials = empty_partials(&rows, Shape::new([runs.chunks, width * columns]));
+    // Past 65535 cubes at rows of 16.7M entries (see `RowRuns`).
+    let (launch_cubes, dim) = runs.launch(&rows);
     kernels::weights_product_kernel::launch(
         &rows.client,
         launch_cubes,
@@ -444,9 +475,9 @@ pub(crate) fn weights_product_partials(rows: CubeTensor, scaled_grad: CubeTensor
         rows.clone().into_tensor_arg(),
         scaled_grad.into_tensor_arg(),
         partials.clone().into_tensor_arg(),
-        chunk_rows,
+        runs.chunk_rows,
         columns,
-        column_cubes,
+        runs.column_cubes,
         rows_per_step,
         float_types(rows.dtype),
     );

@@ -9,15 +9,9 @@ use burn_cubecl::tensor::CubeTensor;
 
 use super::DepthwiseConvBackend;
 use crate::backend::cube_launch::{
-    column_sums, empty, empty_partials, float_types, per_element, per_item,
+    RowRuns, column_sums, empty, empty_partials, float_types, per_element,
 };
 use kernels::{depthwise_conv_kernel, depthwise_taps_grad_kernel};
-
-/// Cubes that the taps' gradient spreads its rows over (about).
-const TAPS_GRAD_CUBES: usize = 512;
-
-/// Rows a cube of the taps' gradient takes at least.
-const TAPS_GRAD_ROWS: usize = 32;
 
 /// Most units per cube of the taps' gradient (one per channel).
 const MOST_THREADS: usize = 256;
@@ -59,20 +53,9 @@ impl DepthwiseConvBackend for CubeBackend {
         let grad_x = correlate(grad.clone(), taps, true);
         let x = into_contiguous(x);
         let [batch, length, channels] = x.meta.shape().dims::<3>();
-        let rows = batch * length;
-        let threads = channels
-            .next_power_of_two()
-            .min(MOST_THREADS)
-            .min(x.client.properties().hardware.max_units_per_cube as usize)
-            .max(1);
-        let column_cubes = channels.div_ceil(threads);
-        let chunk_rows = rows
-            .div_ceil((TAPS_GRAD_CUBES / column_cubes).max(1))
-            .max(TAPS_GRAD_ROWS);
-        let chunks = rows.div_ceil(chunk_rows).max(1);
-        let partials = empty_partials(&x, Shape::new([chunks, k * channels]));
-        // The kernel takes the cube's linear position (the grid may spread over its axes).
-        let (count, dim) = per_item(&x, column_cubes * chunks, threads);
+        let runs = RowRuns::new(&x, batch * length, channels, MOST_THREADS);
+        let partials = empty_partials(&x, Shape::new([runs.chunks, k * channels]));
+        let (count, dim) = runs.launch(&x);
         depthwise_taps_grad_kernel::launch(
             &x.client,
             count,
@@ -80,9 +63,9 @@ impl DepthwiseConvBackend for CubeBackend {
             x.clone().into_tensor_arg(),
             grad.into_tensor_arg(),
             partials.clone().into_tensor_arg(),
-            chunk_rows,
+            runs.chunk_rows,
             k,
-            column_cubes,
+            runs.column_cubes,
             float_types(dtype),
         );
         let grad_taps =
@@ -131,8 +114,9 @@ mod kernels {
     }
 
     /// Partial sums of `∂K[i, c] = Σ ∂y[r, c] x[r + i − p, c]` over a run of `chunk_rows` rows
-    /// `r = (b, t)`: cube `chunk · column_cubes + j` takes channels `j · CUBE_DIM ..`, one unit
-    /// per channel, and writes row `chunk` of `partials [chunks, k · C]`.
+    /// `r = (b, t)` ([`RowRuns`](crate::backend::cube_launch::RowRuns)): cube
+    /// `chunk · column_cubes + j` takes channels `j · CUBE_DIM ..`, one unit per channel, and
+    /// writes row `chunk` of `partials [chunks, k · C]`.
     #[cube(launch)]
     pub(super) fn depthwise_taps_grad_kernel<E: Float, A: Float>(
         x: &Tensor<E>,

@@ -182,4 +182,43 @@ mod tests {
             );
         }
     }
+
+    /// In f16 the kernels sum in f32: the taps' gradient over 2²¹ rows, 4096 products a unit
+    /// (one channel, so 512 runs of rows). Kept in f16, a unit's sum of like-signed terms stops
+    /// growing once its spacing passes twice a term (2048 terms). The composed reference runs
+    /// on Flex: lavapipe stops a shader's loops after 65535 iterations in all, which Burn's
+    /// convolution backward over rows this long can reach.
+    #[test]
+    fn half_precision_kernels_sum_in_f32() {
+        use crate::test_util::{assert_half_sums_in_f32, fixed_normal};
+        let flex = Device::flex().autodiff();
+        let shape = [2, 1 << 20, 1];
+        let x = fixed_normal(shape, 0.3, 50, &flex) + 1.0;
+        let taps = fixed_normal([3, 1], 0.2, 51, &flex) + 0.5;
+        // Small, so that the sums over the rows stay inside f16's range.
+        let probe = fixed_normal(shape, 3e-4, 52, &flex) + 1e-3;
+        assert_half_sums_in_f32("depthwise convolution", |dtype, fused| {
+            let device = if fused { wgpu_autodiff() } else { flex.clone() };
+            let on = |data: TensorData| Tensor::<3>::from_data(data, &device).cast(dtype);
+            let x = on(x.to_data()).require_grad();
+            let taps = Tensor::<2>::from_data(taps.to_data(), &device)
+                .cast(dtype)
+                .require_grad();
+            let y = if fused {
+                assert!(super::takes(&x, &taps));
+                super::depthwise_conv(x.clone(), taps.clone())
+            } else {
+                let options = ConvOptions::new([1], [1], [1], 1);
+                let weight = taps.clone().transpose().reshape([1, 1, 3]);
+                conv1d(x.clone().swap_dims(1, 2), weight, None, options).swap_dims(1, 2)
+            };
+            let probe = on(probe.to_data());
+            let grads = (y.clone() * probe).sum().backward();
+            vec![
+                y.into_data(),
+                x.grad(&grads).expect("tracked").into_data(),
+                taps.grad(&grads).expect("tracked").into_data(),
+            ]
+        });
+    }
 }

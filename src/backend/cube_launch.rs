@@ -149,7 +149,8 @@ pub(crate) struct Knobs {
     pub most_summing_units: usize,
 }
 
-/// Units per cube, at most, of the kernels that sum over a row of `W` (see [`Knobs`]).
+/// Units per cube, at most, of the kernels that sum over runs of rows, one unit per column
+/// ([`RowRuns`]; the tests lower it for two of them, see [`Knobs`]).
 pub(crate) const MOST_SUMMING_UNITS: usize = 256;
 
 impl Default for Knobs {

@@ -129,19 +129,23 @@ mod tests {
 
     use crate::test_util::{assert_tensors_close, standard_normal, wgpu_autodiff};
 
-    /// `(y, ∂x, ∂taps)` for the loss `Σ y ⊙ w` through the op or Burn's `conv1d` (on the
-    /// `[B, C, T]` view, taps as `[C, 1, k]`).
+    /// The composed form: Burn's `conv1d` on the `[B, C, T]` view, taps as `[C, 1, k]`.
+    fn burns_conv1d(x: Tensor<3>, taps: Tensor<2>) -> Tensor<3> {
+        let [k, channels] = taps.dims();
+        let options = ConvOptions::new([1], [(k - 1) / 2], [1], channels);
+        let weight = taps.transpose().reshape([channels, 1, k]);
+        conv1d(x.swap_dims(1, 2), weight, None, options).swap_dims(1, 2)
+    }
+
+    /// `(y, ∂x, ∂taps)` for the loss `Σ y ⊙ w` through the op or [`burns_conv1d`].
     fn results(device: &Device, fused: bool, [x, taps, w]: &[TensorData; 3]) -> Vec<TensorData> {
         let x = Tensor::<3>::from_data(x.clone(), device).require_grad();
         let taps = Tensor::<2>::from_data(taps.clone(), device).require_grad();
-        let [k, channels] = taps.dims();
         let y = if fused {
             assert!(super::takes(&x, &taps));
             super::depthwise_conv(x.clone(), taps.clone())
         } else {
-            let options = ConvOptions::new([1], [(k - 1) / 2], [1], channels);
-            let weight = taps.clone().transpose().reshape([channels, 1, k]);
-            conv1d(x.clone().swap_dims(1, 2), weight, None, options).swap_dims(1, 2)
+            burns_conv1d(x.clone(), taps.clone())
         };
         let grads = (y.clone() * Tensor::from_data(w.clone(), device))
             .sum()
@@ -208,9 +212,7 @@ mod tests {
                 assert!(super::takes(&x, &taps));
                 super::depthwise_conv(x.clone(), taps.clone())
             } else {
-                let options = ConvOptions::new([1], [1], [1], 1);
-                let weight = taps.clone().transpose().reshape([1, 1, 3]);
-                conv1d(x.clone().swap_dims(1, 2), weight, None, options).swap_dims(1, 2)
+                burns_conv1d(x.clone(), taps.clone())
             };
             let probe = on(probe.to_data());
             let grads = (y.clone() * probe).sum().backward();

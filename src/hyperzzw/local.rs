@@ -157,15 +157,15 @@ impl LocalHyperZzw {
     /// [`Error::WidthMismatch`] if `source` does not have `C` channels or the branch is 2D,
     /// [`Error::OutOfRange`] if it is empty.
     pub fn kernel(&self, source: Tensor<3>) -> Result<Tensor<3>> {
-        self.check_dims(1)?;
-        self.check(&source.dims(), "local HyperZZW source channels")?;
-        Ok(self.taps(source).transpose().unsqueeze_dim(0))
+        Ok(self.taps(source)?.transpose().unsqueeze_dim(0))
     }
 
-    /// [`LocalHyperZzw::kernel`] as `[k, C]` (taps-major), for a checked `source`.
-    fn taps(&self, source: Tensor<3>) -> Tensor<2> {
+    /// [`LocalHyperZzw::kernel`] as `[k, C]` (taps-major).
+    fn taps(&self, source: Tensor<3>) -> Result<Tensor<2>> {
+        self.check_dims(1)?;
+        self.check(&source.dims(), "local HyperZZW source channels")?;
         let pooled = batch_mean_pool_1d(source, self.kernel_size());
-        self.kernel_from_pooled(pooled)
+        Ok(self.kernel_from_pooled(pooled))
     }
 
     /// `depthwise_conv(target, kernel(source))`, both `[B, C, T]`.
@@ -174,9 +174,7 @@ impl LocalHyperZzw {
     /// As [`LocalHyperZzw::kernel`], for either tensor.
     pub fn forward(&self, source: Tensor<3>, target: Tensor<3>) -> Result<Tensor<3>> {
         self.check(&target.dims(), "local HyperZZW target channels")?;
-        self.check_dims(1)?;
-        self.check(&source.dims(), "local HyperZZW source channels")?;
-        let taps = self.taps(source);
+        let taps = self.taps(source)?;
         // On CubeCL, one kernel on the channels-last rows (a swapped view of the connectivity's
         // streams) in place of Burn's conv1d and its copies.
         #[cfg(feature = "cube-kernels")]

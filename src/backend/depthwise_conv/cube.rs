@@ -9,12 +9,9 @@ use burn_cubecl::tensor::CubeTensor;
 
 use super::DepthwiseConvBackend;
 use crate::backend::cube_launch::{
-    RowRuns, column_sums, empty, empty_partials, float_types, per_element,
+    MOST_SUMMING_UNITS, RowRuns, column_sums, empty, empty_partials, float_types, per_element,
 };
 use kernels::{depthwise_conv_kernel, depthwise_taps_grad_kernel};
-
-/// Most units per cube of the taps' gradient (one per channel).
-const MOST_THREADS: usize = 256;
 
 /// `y` (or, `transposed`, `∂x` from `∂y`): one unit per entry.
 fn correlate(x: CubeTensor, taps: CubeTensor, transposed: bool) -> CubeTensor {
@@ -53,7 +50,7 @@ impl DepthwiseConvBackend for CubeBackend {
         let grad_x = correlate(grad.clone(), taps, true);
         let x = into_contiguous(x);
         let [batch, length, channels] = x.meta.shape().dims::<3>();
-        let runs = RowRuns::new(&x, batch * length, channels, MOST_THREADS);
+        let runs = RowRuns::new(&x, batch * length, channels, MOST_SUMMING_UNITS);
         let partials = empty_partials(&x, Shape::new([runs.chunks, k * channels]));
         let (count, dim) = runs.launch(&x);
         depthwise_taps_grad_kernel::launch(

@@ -174,7 +174,7 @@ impl SlowNet {
         // In the parameters' float type (the grid is built in the device's default one).
         let dtype = burn::tensor::FloatDType::from(self.shared_bias.val().dtype());
         let coordinates = self.coordinates(&device).cast(dtype);
-        let filter = |layer: &Linear| layer.forward(coordinates.clone()).sin();
+        let filter = |layer: &Linear| filter_argument(layer, coordinates.clone()).sin();
         let points = self.shared_bias.dims()[0];
         let shared_bias = self.shared_bias.val().reshape([points, 1]);
         let mut hidden = filter(&self.filters[0]);
@@ -225,6 +225,22 @@ impl SlowNet {
             .kernel()
             .transpose()
             .reshape([1, self.out_channels(), rows, columns]))
+    }
+}
+
+/// A sine filter's argument `c A + a` (`c: [points, D]`, `A: [D, h]`). For one coordinate axis
+/// it is a broadcast product: on CubeCL the fusion engine merges it with the sine and the
+/// multiplicative layer after it, where a product of inner size 1 is a matmul kernel of its own
+/// (forward, and backward for `∂A`).
+fn filter_argument(layer: &Linear, coordinates: Tensor<2>) -> Tensor<2> {
+    let weight = layer.weight.val();
+    if weight.dims()[0] != 1 {
+        return layer.forward(coordinates);
+    }
+    let product = coordinates * weight;
+    match &layer.bias {
+        Some(bias) => product + bias.val().unsqueeze_dim(0),
+        None => product,
     }
 }
 
@@ -336,6 +352,51 @@ fn gamma_samples(shape: f64, count: usize, device: &Device) -> Vec<f64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The filter's argument (a broadcast product for one axis) equals the linear layer's
+    /// output, and so do the gradients of its weight and bias: one and two axes, a bias that is
+    /// not zero, in f32 on Flex and on wgpu (lavapipe).
+    #[test]
+    fn filter_argument_is_the_linear_layer() {
+        #[cfg_attr(not(feature = "wgpu"), allow(unused_mut))]
+        let mut devices = vec![Device::flex().autodiff()];
+        #[cfg(feature = "wgpu")]
+        devices.push(crate::test_util::wgpu_autodiff());
+        for device in devices {
+            for grid in [vec![9], vec![3, 4]] {
+                let mut net = SlowNetConfig::new(grid.clone(), 2)
+                    .with_hidden(5)
+                    .with_omega_0(1.0)
+                    .init(&device)
+                    .unwrap();
+                let bias = crate::test_util::standard_normal([5], 3, &device);
+                net.filters[0].bias = Some(Param::from_tensor(bias));
+                let results = |broadcast: bool| -> Vec<TensorData> {
+                    let coordinates = net.coordinates(&device);
+                    let filter = &net.filters[0];
+                    let output = if broadcast {
+                        filter_argument(filter, coordinates)
+                    } else {
+                        filter.forward(coordinates)
+                    };
+                    let weights = crate::test_util::standard_normal(output.dims(), 4, &device);
+                    let grads = (output.clone() * weights).sum().backward();
+                    let bias = filter.bias.as_ref().unwrap();
+                    vec![
+                        output.into_data(),
+                        filter.weight.val().grad(&grads).unwrap().into_data(),
+                        bias.val().grad(&grads).unwrap().into_data(),
+                    ]
+                };
+                crate::test_util::assert_tensors_close(
+                    &results(true),
+                    &results(false),
+                    1e-5,
+                    &format!("grid {grid:?} on {device:?}"),
+                );
+            }
+        }
+    }
 
     #[test]
     fn coordinates_are_an_ij_grid_over_minus_one_one() {

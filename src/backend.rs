@@ -62,6 +62,8 @@ pub(crate) mod normed_projection;
 #[cfg(feature = "cube-kernels")]
 mod scale_entries;
 mod scales;
+#[cfg(feature = "cube-kernels")]
+pub(crate) mod sine_gated;
 pub(crate) use scales::{Scales, UsedEntries};
 #[cfg(any(feature = "cube-kernels", feature = "flex"))]
 pub(crate) mod sinkhorn;

@@ -464,29 +464,39 @@ fn hyperzzw_operators_agree_across_backends() {
         let global_2d = global_hyperzzw_2d(map, kernel_2d, Crop::Same)
             .unwrap()
             .reshape([2, 4, 19]);
-        let local = local.forward(x.clone(), target.clone()).unwrap();
-        let outputs = [global.clone(), global_2d.clone(), local.clone()];
-        let loss = (global + global_2d + local) * target;
+        let local_output = local.forward(x.clone(), target.clone()).unwrap();
+        let outputs = [global.clone(), global_2d.clone(), local_output.clone()];
+        let loss = (global + global_2d + local_output) * target;
         let grads = loss.sum().backward();
+        // Every parameter of both kernel generators (on CubeCL their multiplicative layers
+        // run through the crate's sine-gated op).
+        let mut parameters = parameter_gradients(slow, &grads);
+        parameters.extend(parameter_gradients(local, &grads));
         (
             outputs.map(|y| y.into_data()),
             x.grad(&grads).unwrap().into_data(),
+            parameters,
         )
     };
     let reference = build(&flex);
-    let (outputs, grad) = run(&reference);
+    let (outputs, grad, parameters) = run(&reference);
+    assert!(parameters.len() > 20, "{} gradients", parameters.len());
     for (name, device) in other_backends() {
         let (slow, local) = build(&device.autodiff());
         let copy = (
             reload_module(&reference.0, slow),
             reload_module(&reference.1, local),
         );
-        let (other_outputs, other_grad) = run(&copy);
+        let (other_outputs, other_grad, other_parameters) = run(&copy);
         eprintln!("comparing flex with {name}");
         for (y, other) in outputs.iter().zip(&other_outputs) {
             other.assert_approx_eq::<f32>(y, Tolerance::absolute(1e-4));
         }
         other_grad.assert_approx_eq::<f32>(&grad, gradient_tolerance(&grad));
+        assert_eq!(other_parameters.len(), parameters.len());
+        for (expected, other) in parameters.iter().zip(&other_parameters) {
+            other.assert_approx_eq::<f32>(expected, gradient_tolerance(expected));
+        }
     }
 }
 

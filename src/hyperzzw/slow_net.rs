@@ -23,6 +23,10 @@
 //! (not trained), `a_l = 0`; `B_i = U(±√(3/h))`, `b_i = 1`; `P = 0`; `W_o = U(±√(3/h)) / √points`
 //! (Chang scaling, applied once), `w_o = 0`. The kernel does not depend on the data: compute it
 //! once per forward pass.
+//!
+//! On the CubeCL backends each multiplicative layer `sin(c A_i + a_i) ⊙ (z B + b) + P` is one
+//! op with its own backward (one kernel forward, three backward, sums in f32 for f16 and bf16);
+//! elsewhere, and for layers wider than the kernels take, it runs as tensor ops.
 
 use burn::module::Param;
 use burn::nn::{Linear, LinearConfig};
@@ -179,7 +183,10 @@ impl SlowNet {
         let shared_bias = self.shared_bias.val().reshape([points, 1]);
         let mut hidden = filter(&self.filters[0]);
         for (index, (sine, linear)) in self.filters[1..].iter().zip(&self.linears).enumerate() {
-            hidden = filter(sine) * linear.forward(hidden) + shared_bias.clone();
+            hidden = match fused_layer(sine, linear, &coordinates, &hidden, &self.shared_bias) {
+                Some(fused) => fused,
+                None => filter(sine) * linear.forward(hidden) + shared_bias.clone(),
+            };
             hidden = after_layer(index, hidden);
         }
         hidden
@@ -242,6 +249,45 @@ fn filter_argument(layer: &Linear, coordinates: Tensor<2>) -> Tensor<2> {
         Some(bias) => product + bias.val().unsqueeze_dim(0),
         None => product,
     }
+}
+
+/// The multiplicative layer `sin(c A + a) ⊙ (z B + b) + P` as one op with its own backward
+/// where the device takes it (on CubeCL one kernel forward and three backward, where the
+/// composed layer is two forward and about nine backward); else `None`.
+#[cfg(feature = "cube-kernels")]
+fn fused_layer(
+    sine: &Linear,
+    linear: &Linear,
+    coordinates: &Tensor<2>,
+    z: &Tensor<2>,
+    shared_bias: &Param<Tensor<1>>,
+) -> Option<Tensor<2>> {
+    use crate::backend::sine_gated::{SineGatedInputs, sine_gated};
+    let (Some(gate_bias), Some(bias)) = (&sine.bias, &linear.bias) else {
+        return None;
+    };
+    let inputs = SineGatedInputs {
+        coordinates: coordinates.clone(),
+        z: z.clone(),
+        gate: sine.weight.val(),
+        gate_bias: gate_bias.val(),
+        weight: linear.weight.val(),
+        bias: bias.val(),
+        point_bias: shared_bias.val(),
+    };
+    inputs.takes().then(|| sine_gated(inputs))
+}
+
+/// Without the CubeCL kernels the layer is always composed.
+#[cfg(not(feature = "cube-kernels"))]
+fn fused_layer(
+    _sine: &Linear,
+    _linear: &Linear,
+    _coordinates: &Tensor<2>,
+    _z: &Tensor<2>,
+    _shared_bias: &Param<Tensor<1>>,
+) -> Option<Tensor<2>> {
+    None
 }
 
 /// The floor of s-renormalisation's column norms.

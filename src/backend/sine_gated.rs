@@ -1,6 +1,5 @@
 //! A sine-gated linear layer over fixed points, with its own backward, on the CubeCL backends:
-//! one kernel forward, three backward (the column sums of the parameters' gradients, the
-//! input's gradient, the sum of the partial sums).
+//! one kernel forward, one backward (two past 32 points: the partial sums' sum).
 //!
 //! For `N` points with fixed coordinates `c [N, D]`, an input `z [N, m]` and parameters
 //! `A [D, h]`, `a [h]`, `B [m, h]`, `b [h]`, `p [N]`:
@@ -19,10 +18,12 @@
 //! `c` is a constant: it gets no gradient. Composed, a layer is a matrix product and an
 //! element-wise kernel forward, and backward two products, five reductions and the adds that
 //! accumulate them, each a launch on a GPU for tensors of a few thousand entries. Here the
-//! backward recomputes `θ` and `u` (`D + m` products an entry) rather than keeping them: one unit
-//! per column of the parameters sums over a run of points (`D + m + 2` sums a unit, so `D` and
-//! `m` are compile-time and bounded, [`MOST_INPUT_WIDTH`]) and writes `∂u`; then one unit per
-//! entry of `z` makes `∂z` (and the first of each point `∂p`).
+//! backward recomputes `θ` and `u` (`D + m` products an entry) rather than keeping them, in one
+//! launch of two kinds of cubes that read nothing the other writes: one unit per column of the
+//! parameters sums over a run of points (`D + m + 2` sums a unit, so `D` and `m` are
+//! compile-time and bounded, [`MOST_INPUT_WIDTH`]), straight into the gradients where one run
+//! takes every point, else as partial sums that a second kernel adds up; and one unit per entry
+//! of `z` makes `∂z` (and the first of each point `∂p`).
 //!
 //! [`SineGatedInputs::takes`] decides once per call: CubeCL devices in f32, f16 and bf16 (sums,
 //! sines and cosines in f32); other backends and wider layers keep the composed form.
@@ -282,14 +283,20 @@ impl<B: SineGatedBackend, C: CheckpointStrategy> SineGatedBackend for Autodiff<B
 #[cfg(all(test, feature = "wgpu"))]
 mod tests {
     use burn::prelude::*;
+    use burn::tensor::FloatDType;
 
     use super::SineGatedInputs;
     use crate::test_util::{assert_tensors_close, standard_normal, wgpu_autodiff};
 
     /// `(y, ∂z, ∂A, ∂a, ∂B, ∂b, ∂p)` for the loss `Σ y ⊙ w`, through the op or composed.
-    fn results(device: &Device, fused: bool, data: &[TensorData; 8]) -> Vec<TensorData> {
-        let on2 = |index: usize| Tensor::<2>::from_data(data[index].clone(), device);
-        let on1 = |index: usize| Tensor::<1>::from_data(data[index].clone(), device);
+    fn results(
+        device: &Device,
+        dtype: FloatDType,
+        fused: bool,
+        data: &[TensorData; 8],
+    ) -> Vec<TensorData> {
+        let on2 = |index: usize| Tensor::<2>::from_data(data[index].clone(), device).cast(dtype);
+        let on1 = |index: usize| Tensor::<1>::from_data(data[index].clone(), device).cast(dtype);
         let inputs = SineGatedInputs {
             coordinates: on2(0),
             z: on2(1).require_grad(),
@@ -318,6 +325,32 @@ mod tests {
             grad1(&parents.bias),
             grad1(&parents.point_bias),
         ]
+    }
+
+    /// In f16 the kernels sum in f32: the parameters' gradients over 2²⁰ points, 2048 a unit,
+    /// every term of each sum of one sign (in f16 a unit's sum of like-signed terms stops
+    /// growing once its spacing passes twice a term). The composed reference runs on Flex.
+    #[test]
+    fn half_precision_kernels_sum_in_f32() {
+        use crate::test_util::{assert_half_sums_in_f32, fixed_normal};
+        let flex = Device::flex().autodiff();
+        let points = 1 << 20;
+        // Positive coordinates, inputs and gates near 1, a small positive probe: the sums stay
+        // within f16's range and none of them cancels.
+        let data = [
+            (fixed_normal([points, 1], 0.05, 60, &flex) + 0.5).into_data(),
+            (fixed_normal([points, 1], 0.05, 61, &flex) + 1.0).into_data(),
+            (fixed_normal([1, 1], 0.01, 62, &flex) + 0.1).into_data(),
+            (fixed_normal([1], 0.01, 63, &flex) + 1.0).into_data(),
+            (fixed_normal([1, 1], 0.01, 64, &flex) + 0.5).into_data(),
+            (fixed_normal([1], 0.01, 65, &flex) + 0.5).into_data(),
+            fixed_normal([points], 0.1, 66, &flex).into_data(),
+            (fixed_normal([points, 1], 2e-4, 67, &flex) + 1e-3).into_data(),
+        ];
+        assert_half_sums_in_f32("sine-gated layer", |dtype, fused| {
+            let device = if fused { wgpu_autodiff() } else { flex.clone() };
+            results(&device, dtype, fused, &data)
+        });
     }
 
     /// The op's output and gradients equal the composed layer's under autodiff on wgpu
@@ -354,8 +387,8 @@ mod tests {
                 normal2([points, columns], 7),
             ];
             assert_tensors_close(
-                &results(&device, true, &data),
-                &results(&device, false, &data),
+                &results(&device, FloatDType::F32, true, &data),
+                &results(&device, FloatDType::F32, false, &data),
                 1e-4,
                 &format!("N = {points}, D = {coordinates}, m = {width}, h = {columns}"),
             );

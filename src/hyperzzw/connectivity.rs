@@ -138,12 +138,13 @@ impl Fusion {
     fn forward(&self, branch: Tensor<3>, input: Tensor<3>, crop: Crop, path: FftPath) -> Tensor<3> {
         let length = branch.dims()[1];
         let (output, context) = (branch.swap_dims(1, 2), input.swap_dims(1, 2));
-        let kernel = self
-            .global
-            .kernel()
-            .narrow(0, 0, length)
-            .transpose()
-            .unsqueeze_dim(0);
+        let mut kernel = self.global.kernel();
+        // At the longest length no narrowing: its backward would fill a zero gradient and write
+        // the incoming one into it (two kernels on CubeCL) for nothing.
+        if length < kernel.dims()[0] {
+            kernel = kernel.narrow(0, 0, length);
+        }
+        let kernel = kernel.transpose().unsqueeze_dim(0);
         let global = fft_conv_1d(output.clone(), context.clone() * kernel, crop, path);
         let mut branches = vec![output.clone(), global];
         for local in &self.locals {

@@ -25,7 +25,8 @@
 //! once per forward pass.
 //!
 //! On the CubeCL backends each multiplicative layer `sin(c A_i + a_i) ⊙ (z B + b) + P` is one
-//! op with its own backward (one kernel forward, three backward, sums in f32 for f16 and bf16);
+//! op with its own backward (one kernel forward, one or two backward, sums in f32 for f16 and
+//! bf16);
 //! elsewhere, and for layers wider than the kernels take, it runs as tensor ops.
 
 use burn::module::Param;
@@ -252,7 +253,7 @@ fn filter_argument(layer: &Linear, coordinates: Tensor<2>) -> Tensor<2> {
 }
 
 /// The multiplicative layer `sin(c A + a) ⊙ (z B + b) + P` as one op with its own backward
-/// where the device takes it (on CubeCL one kernel forward and three backward, where the
+/// where the device takes it (on CubeCL one kernel forward and one or two backward, where the
 /// composed layer is two forward and about nine backward); else `None`.
 #[cfg(feature = "cube-kernels")]
 fn fused_layer(

@@ -8,12 +8,12 @@ use burn_cubecl::tensor::CubeTensor;
 
 use super::SineGatedBackend;
 use crate::backend::cube_launch::{
-    MOST_SUMMING_UNITS, RowRuns, empty, empty_partials, float_types, per_element,
+    MOST_SUMMING_UNITS, RowRuns, empty, empty_partials, float_types, per_element, per_item,
 };
-use kernels::{
-    sine_gated_input_grad_kernel, sine_gated_kernel, sine_gated_parameter_grad_kernel,
-    sine_gated_parameter_sums_kernel,
-};
+use kernels::{sine_gated_backward_kernel, sine_gated_kernel, sine_gated_parameter_sums_kernel};
+
+/// The fewest units a cube of the backward takes.
+const ENTRY_UNITS: usize = 32;
 
 /// `(D, m, h)` of the layer's tensors, each made contiguous.
 fn layer_sizes(coordinates: &CubeTensor, z: &CubeTensor, gate: &CubeTensor) -> [usize; 3] {
@@ -81,67 +81,75 @@ impl SineGatedBackend for CubeBackend {
         let [dims, width, columns] = layer_sizes(&coordinates, &z, &gate);
         let points = z.meta.shape()[0];
         let sums = dims + width + 2;
+        let grad_z = empty(&z, z.meta.shape().clone());
+        let grad_point_bias = empty(&z, Shape::new([points]));
+        let grad_gate = empty(&z, gate.meta.shape().clone());
+        let grad_gate_bias = empty(&z, gate_bias.meta.shape().clone());
+        let grad_weight = empty(&z, weight.meta.shape().clone());
+        let grad_bias = empty(&z, bias.meta.shape().clone());
 
-        // The parameters' gradients as partial sums over runs of points, and `∂u` beside them.
+        // One launch, two kinds of cubes: the first `parameter_cubes` sum the parameters'
+        // gradients over runs of points (one unit per column), the rest make `∂z` and `∂p` (one
+        // unit per entry of `z`). With one run of points the sums go straight into the
+        // gradients, else into partial sums that a second kernel adds up.
         let runs = RowRuns::new(&z, points, columns, MOST_SUMMING_UNITS);
-        let partials = empty_partials(&z, Shape::new([runs.chunks, sums * columns]));
-        let grad_inner = empty_partials(&z, Shape::new([points, columns]));
-        let (count, dim) = runs.launch(&z);
-        sine_gated_parameter_grad_kernel::launch(
+        // At least a warp's units a cube, for the entries' cubes where `h` is small.
+        let threads = runs.threads.max(ENTRY_UNITS);
+        let column_cubes = columns.div_ceil(threads);
+        let direct = runs.chunks == 1;
+        let partials = empty_partials(
+            &z,
+            Shape::new(if direct {
+                [1, 1]
+            } else {
+                [runs.chunks, sums * columns]
+            }),
+        );
+        let parameter_cubes = column_cubes * runs.chunks;
+        let entry_cubes = (points * width).div_ceil(threads);
+        let (count, dim) = per_item(&z, parameter_cubes + entry_cubes, threads);
+        sine_gated_backward_kernel::launch(
             &z.client,
             count,
             dim,
             coordinates.into_tensor_arg(),
             z.clone().into_tensor_arg(),
-            gate.clone().into_tensor_arg(),
-            gate_bias.clone().into_tensor_arg(),
-            weight.clone().into_tensor_arg(),
-            bias.clone().into_tensor_arg(),
-            grad.clone().into_tensor_arg(),
-            partials.clone().into_tensor_arg(),
-            grad_inner.clone().into_tensor_arg(),
-            runs.chunk_rows,
-            runs.column_cubes,
-            dims,
-            width,
-            float_types(dtype),
-        );
-
-        // `∂z` and `∂p`: one unit per entry of `z`.
-        let grad_z = empty(&z, z.meta.shape().clone());
-        let grad_point_bias = empty(&z, Shape::new([points]));
-        let (count, dim) = per_element(&z, points * width);
-        sine_gated_input_grad_kernel::launch(
-            &z.client,
-            count,
-            dim,
-            grad_inner.into_tensor_arg(),
-            weight.clone().into_tensor_arg(),
+            gate.into_tensor_arg(),
+            gate_bias.into_tensor_arg(),
+            weight.into_tensor_arg(),
+            bias.into_tensor_arg(),
             grad.into_tensor_arg(),
-            grad_z.clone().into_tensor_arg(),
-            grad_point_bias.clone().into_tensor_arg(),
-            float_types(dtype),
-        );
-
-        // The partial sums summed, each parameter's part to its own tensor.
-        let grad_gate = empty(&z, gate.meta.shape().clone());
-        let grad_gate_bias = empty(&z, gate_bias.meta.shape().clone());
-        let grad_weight = empty(&z, weight.meta.shape().clone());
-        let grad_bias = empty(&z, bias.meta.shape().clone());
-        let (count, dim) = per_element(&z, sums * columns);
-        sine_gated_parameter_sums_kernel::launch(
-            &z.client,
-            count,
-            dim,
-            partials.into_tensor_arg(),
+            partials.clone().into_tensor_arg(),
             grad_gate.clone().into_tensor_arg(),
             grad_gate_bias.clone().into_tensor_arg(),
             grad_weight.clone().into_tensor_arg(),
             grad_bias.clone().into_tensor_arg(),
+            grad_z.clone().into_tensor_arg(),
+            grad_point_bias.clone().into_tensor_arg(),
+            runs.chunk_rows,
+            parameter_cubes,
+            column_cubes,
             dims,
             width,
+            direct,
             float_types(dtype),
         );
+        if !direct {
+            let (count, dim) = per_element(&z, sums * columns);
+            sine_gated_parameter_sums_kernel::launch(
+                &z.client,
+                count,
+                dim,
+                partials.into_tensor_arg(),
+                grad_gate.clone().into_tensor_arg(),
+                grad_gate_bias.clone().into_tensor_arg(),
+                grad_weight.clone().into_tensor_arg(),
+                grad_bias.clone().into_tensor_arg(),
+                dims,
+                width,
+                float_types(dtype),
+            );
+        }
         (
             grad_z,
             grad_gate,
@@ -222,14 +230,44 @@ mod kernels {
         output[index] = E::cast_from(argument.sin() * inner + A::cast_from(point_bias[n]));
     }
 
-    /// Partial sums over a run of `chunk_rows` points (a
-    /// [`RowRuns`](crate::backend::cube_launch::RowRuns) launch, one unit per column `j`) of
-    /// `∂A[d, j]`, `∂a[j]`, `∂B[k, j]`, `∂b[j]`, written as row `chunk` of
-    /// `partials [chunks, (D + 1 + m + 1) · h]` (those four blocks of rows, `h` columns each);
-    /// and `∂u [N, h]` for the input's gradient.
+    /// Where `row` of the sums of column `j` goes: `∂A [D, h]`, `∂a [h]`, `∂B [m, h]`, `∂b [h]`
+    /// in turn.
+    #[cube]
+    #[allow(clippy::too_many_arguments)]
+    fn store_sum<E: Float>(
+        value: E,
+        row: usize,
+        j: usize,
+        grad_gate: &mut Tensor<E>,
+        grad_gate_bias: &mut Tensor<E>,
+        grad_weight: &mut Tensor<E>,
+        grad_bias: &mut Tensor<E>,
+        #[comptime] dims: usize,
+        #[comptime] width: usize,
+    ) {
+        let columns = grad_bias.len();
+        if row < dims {
+            grad_gate[row * columns + j] = value;
+        } else if row == dims {
+            grad_gate_bias[j] = value;
+        } else if row < comptime!(dims + 1 + width) {
+            grad_weight[(row - comptime!(dims + 1)) * columns + j] = value;
+        } else {
+            grad_bias[j] = value;
+        }
+    }
+
+    /// The backward, two kinds of cubes in one launch.
+    ///
+    /// Cubes below `parameter_cubes` (a [`RowRuns`](crate::backend::cube_launch::RowRuns)
+    /// launch, one unit per column `j`) sum `∂A[d, j]`, `∂a[j]`, `∂B[k, j]`, `∂b[j]` over a run
+    /// of `chunk_rows` points: with one run (`direct`) into the gradients, else as row `chunk`
+    /// of `partials [chunks, (D + 1 + m + 1) · h]`. The cubes after them take one entry
+    /// `(n, k)` of `z` a unit: `∂z[n, k] = Σ_j ∂y[n, j] sin θ[n, j] B[k, j]` (`θ` recomputed,
+    /// so that no unit reads what another wrote), and for `k = 0` `∂p[n] = Σ_j ∂y[n, j]`.
     #[cube(launch)]
     #[allow(clippy::too_many_arguments)]
-    pub(super) fn sine_gated_parameter_grad_kernel<E: Float, A: Float>(
+    pub(super) fn sine_gated_backward_kernel<E: Float, A: Float>(
         coordinates: &Tensor<E>,
         z: &Tensor<E>,
         gate: &Tensor<E>,
@@ -238,19 +276,52 @@ mod kernels {
         bias: &Tensor<E>,
         grad: &Tensor<E>,
         partials: &mut Tensor<A>,
-        grad_inner: &mut Tensor<A>,
+        grad_gate: &mut Tensor<E>,
+        grad_gate_bias: &mut Tensor<E>,
+        grad_weight: &mut Tensor<E>,
+        grad_bias: &mut Tensor<E>,
+        grad_z: &mut Tensor<E>,
+        grad_point_bias: &mut Tensor<E>,
         chunk_rows: usize,
+        parameter_cubes: usize,
         #[comptime] column_cubes: usize,
         #[comptime] dims: usize,
         #[comptime] width: usize,
+        #[comptime] direct: bool,
         #[define(E, A)] _dtypes: [ElemType; 2],
     ) {
         let cube = CUBE_POS;
-        let chunk = cube / column_cubes;
-        let j = (cube % column_cubes) * (CUBE_DIM as usize) + UNIT_POS as usize;
         let columns = gate.shape(1);
         let points = z.shape(0);
-        if j >= columns || chunk >= partials.shape(0) {
+        if cube >= parameter_cubes {
+            let index = (cube - parameter_cubes) * (CUBE_DIM as usize) + UNIT_POS as usize;
+            if index >= grad_z.len() {
+                terminate!();
+            }
+            let (n, k) = (index / width, index % width);
+            let mut total = A::new(0.0);
+            let mut row = A::new(0.0);
+            for j in 0..columns {
+                let mut argument = A::cast_from(gate_bias[j]);
+                #[unroll]
+                for d in 0..dims {
+                    argument += A::cast_from(coordinates[n * dims + d])
+                        * A::cast_from(gate[d * columns + j]);
+                }
+                let g = A::cast_from(grad[n * columns + j]);
+                total += g * argument.sin() * A::cast_from(weight[k * columns + j]);
+                row += g;
+            }
+            grad_z[index] = E::cast_from(total);
+            if k == 0 {
+                grad_point_bias[n] = E::cast_from(row);
+            }
+            terminate!();
+        }
+        let chunk = cube / column_cubes;
+        let j = (cube % column_cubes) * (CUBE_DIM as usize) + UNIT_POS as usize;
+        let chunks = points.div_ceil(chunk_rows);
+        if j >= columns || chunk >= chunks {
             terminate!();
         }
         let sums_per_column = comptime!(dims + width + 2);
@@ -278,9 +349,8 @@ mod kernels {
                 width,
             );
             let g = A::cast_from(grad[n * columns + j]);
-            let grad_inner_entry = g * argument.sin();
+            let grad_inner = g * argument.sin();
             let grad_argument = g * inner * argument.cos();
-            grad_inner[n * columns + j] = grad_inner_entry;
             #[unroll]
             for d in 0..dims {
                 sums[d] += A::cast_from(coordinates[n * dims + d]) * grad_argument;
@@ -288,46 +358,31 @@ mod kernels {
             sums[dims] += grad_argument;
             #[unroll]
             for k in 0..width {
-                sums[dims + 1 + k] += A::cast_from(z[n * width + k]) * grad_inner_entry;
+                sums[dims + 1 + k] += A::cast_from(z[n * width + k]) * grad_inner;
             }
-            sums[dims + 1 + width] += grad_inner_entry;
+            sums[dims + 1 + width] += grad_inner;
         }
-        let base = chunk * sums_per_column * columns + j;
-        #[unroll]
-        for r in 0..sums_per_column {
-            partials[base + r * columns] = sums[r];
-        }
-    }
-
-    /// Entry `index = n · m + k` of `∂z [N, m]`: `Σ_j ∂u[n, j] B[k, j]`; the first of each point
-    /// also `∂p[n] = Σ_j ∂y[n, j]`.
-    #[cube(launch)]
-    pub(super) fn sine_gated_input_grad_kernel<E: Float, A: Float>(
-        grad_inner: &Tensor<A>,
-        weight: &Tensor<E>,
-        grad: &Tensor<E>,
-        grad_z: &mut Tensor<E>,
-        grad_point_bias: &mut Tensor<E>,
-        #[define(E, A)] _dtypes: [ElemType; 2],
-    ) {
-        let index = ABSOLUTE_POS;
-        if index >= grad_z.len() {
-            terminate!();
-        }
-        let width = weight.shape(0);
-        let columns = weight.shape(1);
-        let (n, k) = (index / width, index % width);
-        let mut total = A::new(0.0);
-        for j in 0..columns {
-            total += grad_inner[n * columns + j] * A::cast_from(weight[k * columns + j]);
-        }
-        grad_z[index] = E::cast_from(total);
-        if k == 0 {
-            let mut row = A::new(0.0);
-            for j in 0..columns {
-                row += A::cast_from(grad[n * columns + j]);
+        if direct {
+            #[unroll]
+            for r in 0..sums_per_column {
+                store_sum::<E>(
+                    E::cast_from(sums[r]),
+                    r,
+                    j,
+                    grad_gate,
+                    grad_gate_bias,
+                    grad_weight,
+                    grad_bias,
+                    dims,
+                    width,
+                );
             }
-            grad_point_bias[n] = E::cast_from(row);
+        } else {
+            let base = chunk * sums_per_column * columns + j;
+            #[unroll]
+            for r in 0..sums_per_column {
+                partials[base + r * columns] = sums[r];
+            }
         }
     }
 
@@ -355,17 +410,16 @@ mod kernels {
         for chunk in 0..partials.shape(0) {
             total += partials[chunk * total_columns + index];
         }
-        let value = E::cast_from(total);
-        let row = index / columns;
-        let j = index % columns;
-        if row < dims {
-            grad_gate[index] = value;
-        } else if row == dims {
-            grad_gate_bias[j] = value;
-        } else if row < comptime!(dims + 1 + width) {
-            grad_weight[index - comptime!(dims + 1) * columns] = value;
-        } else {
-            grad_bias[j] = value;
-        }
+        store_sum::<E>(
+            E::cast_from(total),
+            index / columns,
+            index % columns,
+            grad_gate,
+            grad_gate_bias,
+            grad_weight,
+            grad_bias,
+            dims,
+            width,
+        );
     }
 }

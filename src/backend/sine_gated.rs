@@ -354,8 +354,8 @@ mod tests {
     }
 
     /// The op's output and gradients equal the composed layer's under autodiff on wgpu
-    /// (lavapipe): one and two coordinates, columns past one cube, and enough points for
-    /// several runs of partial sums.
+    /// (lavapipe): one and two coordinates, columns past one cube, enough points for several
+    /// runs of partial sums, and the slow nets' default width (32).
     #[test]
     fn sine_gated_matches_the_composed_layer() {
         let device = wgpu_autodiff();
@@ -365,6 +365,7 @@ mod tests {
             [3, 1, 1, 4],
             [70, 2, 3, 260],
             [1100, 1, 8, 16],
+            [40, 1, 32, 32],
         ]
         .into_iter()
         .enumerate()

@@ -164,6 +164,26 @@ impl SineGatedBackend for CubeBackend {
 mod kernels {
     use cubecl::prelude::*;
 
+    /// `θ[n, j]` in the summing type: `D` products.
+    #[cube]
+    fn gate_argument<E: Float, A: Float>(
+        coordinates: &Tensor<E>,
+        gate: &Tensor<E>,
+        gate_bias: &Tensor<E>,
+        n: usize,
+        j: usize,
+        #[comptime] dims: usize,
+    ) -> A {
+        let columns = gate.shape(1);
+        let mut argument = A::cast_from(gate_bias[j]);
+        #[unroll]
+        for d in 0..dims {
+            argument +=
+                A::cast_from(coordinates[n * dims + d]) * A::cast_from(gate[d * columns + j]);
+        }
+        argument
+    }
+
     /// `θ[n, j]` and `u[n, j]` in the summing type: `D` and `m` products.
     #[cube]
     #[allow(clippy::too_many_arguments)]
@@ -180,12 +200,7 @@ mod kernels {
         #[comptime] width: usize,
     ) -> (A, A) {
         let columns = gate.shape(1);
-        let mut argument = A::cast_from(gate_bias[j]);
-        #[unroll]
-        for d in 0..dims {
-            argument +=
-                A::cast_from(coordinates[n * dims + d]) * A::cast_from(gate[d * columns + j]);
-        }
+        let argument = gate_argument::<E, A>(coordinates, gate, gate_bias, n, j, dims);
         let mut inner = A::cast_from(bias[j]);
         for k in 0..width {
             inner += A::cast_from(z[n * width + k]) * A::cast_from(weight[k * columns + j]);
@@ -302,12 +317,7 @@ mod kernels {
             let mut total = A::new(0.0);
             let mut row = A::new(0.0);
             for j in 0..columns {
-                let mut argument = A::cast_from(gate_bias[j]);
-                #[unroll]
-                for d in 0..dims {
-                    argument += A::cast_from(coordinates[n * dims + d])
-                        * A::cast_from(gate[d * columns + j]);
-                }
+                let argument = gate_argument::<E, A>(coordinates, gate, gate_bias, n, j, dims);
                 let g = A::cast_from(grad[n * columns + j]);
                 total += g * argument.sin() * A::cast_from(weight[k * columns + j]);
                 row += g;

@@ -355,7 +355,8 @@ mod tests {
 
     /// The op's output and gradients equal the composed layer's under autodiff on wgpu
     /// (lavapipe): one and two coordinates, columns past one cube, enough points for several
-    /// runs of partial sums, and the slow nets' default width (32).
+    /// runs of partial sums, the slow nets' default width (32), and the widest input and most
+    /// coordinates the kernels take (`m = 128`, `D = 3`).
     #[test]
     fn sine_gated_matches_the_composed_layer() {
         let device = wgpu_autodiff();
@@ -366,6 +367,7 @@ mod tests {
             [70, 2, 3, 260],
             [1100, 1, 8, 16],
             [40, 1, 32, 32],
+            [40, 3, super::MOST_INPUT_WIDTH, 12],
         ]
         .into_iter()
         .enumerate()
@@ -394,5 +396,30 @@ mod tests {
                 &format!("N = {points}, D = {coordinates}, m = {width}, h = {columns}"),
             );
         }
+    }
+
+    /// Past the widest input or the most coordinates the op refuses the layer (the caller then
+    /// composes it), and takes it at the limits.
+    #[test]
+    fn sine_gated_refuses_what_its_units_cannot_hold() {
+        let device = wgpu_autodiff();
+        let inputs = |coordinates: usize, width: usize| {
+            let points = 4;
+            let columns = 3;
+            SineGatedInputs {
+                coordinates: Tensor::zeros([points, coordinates], &device),
+                z: Tensor::zeros([points, width], &device),
+                gate: Tensor::zeros([coordinates, columns], &device),
+                gate_bias: Tensor::zeros([columns], &device),
+                weight: Tensor::zeros([width, columns], &device),
+                bias: Tensor::zeros([columns], &device),
+                point_bias: Tensor::zeros([points], &device),
+            }
+        };
+        let widest = super::MOST_INPUT_WIDTH;
+        let most = super::MOST_COORDINATES;
+        assert!(inputs(most, widest).takes());
+        assert!(!inputs(most, widest + 1).takes());
+        assert!(!inputs(most + 1, widest).takes());
     }
 }

@@ -225,19 +225,7 @@ impl AttentionResiduals {
         queries: &Tensor<2>,
         gradient: Option<&UnitsGradient>,
     ) -> Tensor<D> {
-        let dims = value.dims();
-        let width = dims[D - 1];
-        let columns = queries.dims()[1];
-        let tokens = value.shape().num_elements() / width.max(1);
-        let mut shape = dims;
-        shape[D - 1] = columns;
-        rms_projection_writing(
-            value.clone().reshape([tokens, width]),
-            queries.clone(),
-            self.epsilon,
-            gradient,
-        )
-        .reshape(shape)
+        rms_projection_writing(value.clone(), queries.clone(), self.epsilon, gradient)
     }
 
     /// A completed source, made after `done` blocks (`narrow`: see

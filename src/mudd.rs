@@ -208,7 +208,13 @@ impl<const D: usize> MuddState<D> {
 /// `Σ_j A[c, j] X_j` for the weights `[..., C·n]` of `n` states (the per-token mixture op).
 fn mix<const D: usize>(states: &[Tensor<D>], weights: &Tensor<D>, way: usize) -> Tensor<D> {
     let count = states.len();
-    let weights = weights.clone().narrow(D - 1, way * count, count);
+    // One way's weights are the whole table: a narrow over all of it would still cost a zero
+    // fill and a slice-assign backward.
+    let weights = if weights.dims()[D - 1] == count {
+        weights.clone()
+    } else {
+        weights.clone().narrow(D - 1, way * count, count)
+    };
     token_mix(weights, states.to_vec())
 }
 
@@ -229,8 +235,8 @@ impl Mudd {
     /// `GELU(rms(X) W1) W2 + a`, `[..., C·n]`.
     fn weights<const D: usize>(&self, layer: &MuddLayer, newest: &Tensor<D>) -> Tensor<D> {
         let [ways, states] = layer.shape();
-        crate::backend::on_rows(newest.clone(), |rows| {
-            let hidden = rms_projection(rows, layer.w1.val(), self.epsilon);
+        let hidden = rms_projection(newest.clone(), layer.w1.val(), self.epsilon);
+        crate::backend::on_rows(hidden, |hidden| {
             gelu(hidden).matmul(layer.w2.val())
                 + layer.static_weights.val().reshape([1, ways * states])
         })

@@ -48,7 +48,7 @@ use burn::backend::tensor::FloatTensor;
 use burn::backend::{Backend, Dispatch, backend_extension};
 use burn::tensor::{Shape, Tensor};
 
-use super::autodiff::{constant, tracked_op};
+use super::autodiff::{constant, take_so_far, tracked_op};
 use super::gradient_slots::{Part, leave, take};
 use super::{Gains, MatrixRows, RowScale};
 
@@ -63,11 +63,11 @@ pub(crate) const MAX_UNITS: usize = 8;
 /// (AttnRes past 1024 blocks, MUDD past 255) compose.
 pub(crate) const MAX_PROJECTION_COLUMNS: usize = 1024;
 
-/// Whether the projection kernel takes `weights [w, C]` for `rows`: the rows' float type (the
+/// Whether the projection kernel takes `weights [w, C]` for `rows [..., w]`: the rows' float type (the
 /// kernel reads every input as the rows' type) and `C` at most [`MAX_PROJECTION_COLUMNS`] (the
 /// device and the rows are checked by [`supports`]). Otherwise the composed form runs, whose
 /// Burn ops report mixed types.
-pub(crate) fn projects(rows: &Tensor<2>, weights: &Tensor<2>) -> bool {
+pub(crate) fn projects<const D: usize>(rows: &Tensor<D>, weights: &Tensor<2>) -> bool {
     weights.dtype() == rows.dtype() && weights.dims()[1] <= MAX_PROJECTION_COLUMNS
 }
 
@@ -103,9 +103,12 @@ pub(crate) fn supports(units: &Tensor<3>) -> bool {
     Autodiff
 )]
 pub(crate) trait UnitKernelsBackend: Backend {
-    /// `P = s(‖x_r‖) x_r W` for `rows [R, w]`, `weights [w, C]`; `[R, C]`.
+    /// `P = s(‖x_r‖) x_r W` for `rows [..., w]` (read as `[R, w]`), `weights [w, C]`; `[R, C]`.
     #[fusion(meta = |rows, weights, _, _, _, _| TensorSpec::new(
-        Shape::new([rows.shape[0], weights.shape[1]]),
+        Shape::new([
+            rows.shape.num_elements() / rows.shape[rows.shape.num_dims() - 1].max(1),
+            weights.shape[1],
+        ]),
         rows.dtype,
     ))]
     fn unit_projection(
@@ -117,14 +120,18 @@ pub(crate) trait UnitKernelsBackend: Backend {
         root_offset: f64,
     ) -> FloatTensor<Self>;
 
-    /// The gradients of `rows` and `weights`, given the output `projection` and its gradient.
-    #[fusion(meta = |rows, weights, _, _, _, _, _, _| (rows.clone(), weights.clone()))]
+    /// The gradients of `rows` (shaped like `rows`) and `weights`, given the output
+    /// `projection` and its gradient. `previous` (shaped like `rows`, read where
+    /// `with_previous`) is added to the rows' gradient: the rows' gradient so far.
+    #[fusion(meta = |rows, weights, _, _, _, _, _, _, _, _| (rows.clone(), weights.clone()))]
     #[allow(clippy::too_many_arguments)]
     fn unit_projection_backward(
         rows: FloatTensor<Self>,
         weights: FloatTensor<Self>,
         projection: FloatTensor<Self>,
         grad: FloatTensor<Self>,
+        previous: FloatTensor<Self>,
+        with_previous: bool,
         numerator: f64,
         offset: f64,
         floor: f64,
@@ -241,14 +248,30 @@ pub(crate) trait UnitKernelsBackend: Backend {
 
 /// `P_r = s(‖x_r‖₂) · x_r W` through the kernels: `rows [R, w]`, `weights [w, C]`.
 pub(crate) fn projection(rows: Tensor<2>, weights: Tensor<2>, scale: RowScale) -> Tensor<2> {
-    Tensor::from_dispatch(<Dispatch as UnitKernelsBackend>::unit_projection(
-        rows.into_dispatch(),
-        weights.into_dispatch(),
-        scale.numerator,
-        scale.offset,
-        scale.floor,
-        scale.root_offset,
-    ))
+    state_projection(rows, weights, scale)
+}
+
+/// [`projection`] of a state's rows, `state [..., w]`, `[..., C]`. The op reads the state
+/// itself (no reshape node in between), so its backward finds the state's gradient so far and
+/// adds its own term to it inside its kernel, where autodiff would add the two with a kernel of
+/// its own.
+pub(crate) fn state_projection<const D: usize>(
+    state: Tensor<D>,
+    weights: Tensor<2>,
+    scale: RowScale,
+) -> Tensor<D> {
+    let mut shape = state.dims();
+    shape[D - 1] = weights.dims()[1];
+    let projected: Tensor<2> =
+        Tensor::from_dispatch(<Dispatch as UnitKernelsBackend>::unit_projection(
+            state.into_dispatch(),
+            weights.into_dispatch(),
+            scale.numerator,
+            scale.offset,
+            scale.floor,
+            scale.root_offset,
+        ));
+    projected.reshape(shape)
 }
 
 /// `Aᵀ S (+ β h)` through the kernels (shapes as in [`LayerOps::mix`](super::LayerOps::mix)),
@@ -319,7 +342,14 @@ pub(super) fn made_mix<B: UnitKernelsBackend, C: CheckpointStrategy>(
 struct Projection;
 
 impl<B: UnitKernelsBackend> Backward<B, 2> for Projection {
-    type State = ([NodeId; 2], FloatTensor<B>, RowScale);
+    /// The parents' nodes, the output, the row scale, and the rows as a tracked tensor (whose
+    /// gradient so far the backward takes over).
+    type State = (
+        [NodeId; 2],
+        FloatTensor<B>,
+        RowScale,
+        FloatTensor<Autodiff<B>>,
+    );
 
     fn backward(
         self,
@@ -328,13 +358,18 @@ impl<B: UnitKernelsBackend> Backward<B, 2> for Projection {
         checkpointer: &mut Checkpointer,
     ) {
         let grad = grads.consume::<B>(&ops.node);
-        let (nodes, projection, scale) = ops.state;
+        let (nodes, projection, scale, tracked_rows) = ops.state;
         let [rows, weights] = nodes.map(|id| checkpointer.retrieve_node_output(id));
+        let tracked = [ops.parents[0].is_some()];
+        let (mut previous, with_previous, _) =
+            take_so_far::<B>(grads, &[tracked_rows], &tracked, &rows);
         let (grad_rows, grad_weights) = B::unit_projection_backward(
             rows,
             weights,
             projection,
             grad,
+            previous.remove(0),
+            with_previous != 0,
             scale.numerator,
             scale.offset,
             scale.floor,
@@ -529,13 +564,14 @@ impl<B: UnitKernelsBackend, C: CheckpointStrategy> UnitKernelsBackend for Autodi
             floor,
             root_offset,
         };
+        let tracked_rows = rows.clone();
         tracked_op::<B, C, _, _>(
             Projection,
             [rows, weights],
             |[rows, weights]| {
                 B::unit_projection(rows, weights, numerator, offset, floor, root_offset)
             },
-            |nodes, output| (nodes, output.clone(), scale),
+            |nodes, output| (nodes, output.clone(), scale, tracked_rows),
         )
     }
 
@@ -544,6 +580,8 @@ impl<B: UnitKernelsBackend, C: CheckpointStrategy> UnitKernelsBackend for Autodi
         weights: FloatTensor<Self>,
         projection: FloatTensor<Self>,
         grad: FloatTensor<Self>,
+        previous: FloatTensor<Self>,
+        with_previous: bool,
         numerator: f64,
         offset: f64,
         floor: f64,
@@ -555,6 +593,8 @@ impl<B: UnitKernelsBackend, C: CheckpointStrategy> UnitKernelsBackend for Autodi
             weights.into_primitive(),
             projection.into_primitive(),
             grad.into_primitive(),
+            previous.into_primitive(),
+            with_previous,
             numerator,
             offset,
             floor,
@@ -776,6 +816,40 @@ mod tests {
                 &format!("R={count} w={width} C={columns}"),
             );
         }
+    }
+
+    /// A state's projection (`[2, 7, w]`, read as its rows) with two other consumers of the
+    /// state, one created before it (its gradient arrives after the projection's backward) and
+    /// one after (its gradient is the so-far that the kernel adds to): the state's gradient
+    /// and the weights' equal the composed projection's.
+    #[test]
+    fn state_projection_adds_the_gradient_so_far() {
+        let device = wgpu();
+        let (width, columns) = (40, 5);
+        let scale = RowScale::rms(width, 1e-6);
+        let state = random([2 * 7, width], 1, &device).reshape([2, 7, width]);
+        let weights = random([width, columns], 2, &device).reshape([1, width, columns]);
+        let probe = random([2 * 7, columns], 3, &device).reshape([2, 7, columns]);
+        let earlier = random([2 * 7, width], 4, &device).reshape([2, 7, width]);
+        let later = random([2 * 7, width], 5, &device).reshape([2, 7, width]);
+        let run = |kernel: bool| {
+            values_and_gradients(&[state.clone(), weights.clone()], &probe, |x| {
+                let state = x[0].clone();
+                let weights: Tensor<2> = x[1].clone().reshape([width, columns]);
+                let before = (state.clone() * earlier.clone()).sum();
+                let projected = if kernel {
+                    assert!(super::projects(&state, &weights));
+                    super::state_projection(state.clone(), weights, scale)
+                } else {
+                    crate::backend::on_rows(state.clone(), |rows| {
+                        composed_normed_projection(rows, weights, scale)
+                    })
+                };
+                let after = (state * later.clone()).sum();
+                projected + (before + after).reshape([1, 1, 1])
+            })
+        };
+        assert_all_close(&run(true), &run(false), "state projection");
     }
 
     /// The projection in f16 sums in f32: its value and both gradients over rows of 3072

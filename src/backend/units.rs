@@ -36,26 +36,39 @@ impl RowScale {
     }
 }
 
-/// `rms(x_r) W` for `rows [R, w]` and `weights [w, C]`, `rms(x) = x / sqrt(mean(x²) + ε)`: the
-/// normalised projection with the RMS scale, one fused op each way on Flex (f32, f64), tensor
-/// ops elsewhere.
-pub(crate) fn rms_projection(rows: Tensor<2>, weights: Tensor<2>, epsilon: f64) -> Tensor<2> {
-    rms_projection_writing(rows, weights, epsilon, None)
+/// `rms(x_r) W` for the rows of `state [..., w]` and `weights [w, C]`, `rms(x) = x /
+/// sqrt(mean(x²) + ε)`; `[..., C]`: the normalised projection with the RMS scale, one fused op
+/// each way on Flex (f32, f64) and on the CubeCL backends, tensor ops elsewhere.
+pub(crate) fn rms_projection<const D: usize>(
+    state: Tensor<D>,
+    weights: Tensor<2>,
+    epsilon: f64,
+) -> Tensor<D> {
+    rms_projection_writing(state, weights, epsilon, None)
 }
 
-/// [`rms_projection`] whose backward, where fused, writes the whole gradient of the state whose
-/// reshape `rows` is: it claims `gradient` (from [`state_gradient`](super::state_gradient)),
-/// in which the token mixes over that state leave their terms (see [`UnitsGradient`]).
-pub(crate) fn rms_projection_writing(
-    rows: Tensor<2>,
+/// [`rms_projection`] whose backward, where fused, writes the whole gradient of `state`: on
+/// Flex it claims `gradient` (from [`state_gradient`](super::state_gradient)), in which the
+/// token mixes over that state leave their terms (see [`UnitsGradient`]); on the CubeCL
+/// backends it adds its term to the state's gradient so far in its kernel.
+pub(crate) fn rms_projection_writing<const D: usize>(
+    state: Tensor<D>,
     weights: Tensor<2>,
     epsilon: f64,
     gradient: Option<&UnitsGradient>,
-) -> Tensor<2> {
-    let [count, width] = rows.dims();
-    let mut ops = LayerOps::standalone(&rows.clone().reshape([count, 1, width]));
-    ops.gradient = gradient.cloned();
-    ops.normed_projection(rows, weights, RowScale::rms(width, epsilon))
+) -> Tensor<D> {
+    let scale = RowScale::rms(state.dims()[D - 1], epsilon);
+    #[cfg(feature = "cube-kernels")]
+    if super::cube_kernels_take(&state) && super::unit_kernels::projects(&state, &weights) {
+        // The state itself, not its reshape, so that the backward finds its gradient so far.
+        return super::unit_kernels::state_projection(state, weights, scale);
+    }
+    super::on_rows(state, |rows| {
+        let [count, width] = rows.dims();
+        let mut ops = LayerOps::standalone(&rows.clone().reshape([count, 1, width]));
+        ops.gradient = gradient.cloned();
+        ops.normed_projection(rows, weights, scale)
+    })
 }
 
 /// How one forward pass runs its unit ops, chosen from its first units: every layer of the pass

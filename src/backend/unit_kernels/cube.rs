@@ -15,6 +15,14 @@ use kernels::{
     mix_backward_kernel, mix_forward_kernel, projection_backward_kernel, projection_forward_kernel,
 };
 
+/// `tensor [..., w]` as contiguous rows `[R, w]`.
+fn as_rows(tensor: FloatTensor<Cube>) -> FloatTensor<Cube> {
+    let shape = tensor.meta.shape();
+    let width = shape[shape.num_dims() - 1];
+    let count = shape.num_elements() / width.max(1);
+    Cube::float_reshape(into_contiguous(tensor), Shape::new([count, width]))
+}
+
 /// Units per cube of the per-row kernels (at most).
 const MOST_THREADS: usize = 64;
 
@@ -198,7 +206,7 @@ impl UnitKernelsBackend for CubeBackend {
         floor: f64,
         root_offset: f64,
     ) -> FloatTensor<Self> {
-        let rows = into_contiguous(rows);
+        let rows = as_rows(rows);
         let [count, _] = rows.meta.shape().dims::<2>();
         let columns = weights.meta.shape()[1];
         let output = empty(&rows, Shape::new([count, columns]));
@@ -229,12 +237,20 @@ impl UnitKernelsBackend for CubeBackend {
         weights: FloatTensor<Self>,
         projection: FloatTensor<Self>,
         grad: FloatTensor<Self>,
+        previous: FloatTensor<Self>,
+        with_previous: bool,
         numerator: f64,
         offset: f64,
         floor: f64,
         root_offset: f64,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-        let rows = into_contiguous(rows);
+        let shape = rows.meta.shape().clone();
+        let rows = as_rows(rows);
+        let previous = if with_previous {
+            as_rows(previous)
+        } else {
+            rows.clone()
+        };
         let projection = into_contiguous(projection);
         let grad = into_contiguous(grad);
         let [count, width] = rows.meta.shape().dims::<2>();
@@ -252,11 +268,13 @@ impl UnitKernelsBackend for CubeBackend {
             weights.into_tensor_arg(),
             projection.into_tensor_arg(),
             grad.into_tensor_arg(),
+            previous.into_tensor_arg(),
             grad_rows.clone().into_tensor_arg(),
             scaled_grad.clone().into_tensor_arg(),
             columns,
             tiles,
             contiguous_weights,
+            with_previous,
             kernel_constant(numerator),
             kernel_constant(offset),
             kernel_constant(floor),
@@ -264,7 +282,7 @@ impl UnitKernelsBackend for CubeBackend {
             float_types(rows.dtype),
         );
         let grad_weights = weights_product(rows, scaled_grad);
-        (grad_rows, grad_weights)
+        (Self::float_reshape(grad_rows, shape), grad_weights)
     }
 
     fn unit_mix(
@@ -435,8 +453,9 @@ mod kernels {
         }
     }
 
-    /// The forward's cubes: `‖x‖²` per row, then `∂x = s W ∂P + s'(n)/n (x W · ∂P) x` in a
-    /// pass over the weight tiles, and `s ∂P` for the weights' product.
+    /// The forward's cubes: `‖x‖²` per row, then `∂x = s W ∂P + s'(n)/n (x W · ∂P) x` (plus
+    /// `previous`, where `with_previous`) in a pass over the weight tiles, and `s ∂P` for the
+    /// weights' product.
     #[cube(launch)]
     #[allow(clippy::too_many_arguments)]
     pub(super) fn projection_backward_kernel<E: Float, A: Float>(
@@ -444,11 +463,13 @@ mod kernels {
         weights: &Tensor<E>,
         projection: &Tensor<E>,
         grad: &Tensor<E>,
+        previous: &Tensor<E>,
         grad_rows: &mut Tensor<E>,
         scaled_grad: &mut Tensor<E>,
         #[comptime] columns: usize,
         #[comptime] tiles: RowTiles,
         #[comptime] contiguous_weights: bool,
+        #[comptime] with_previous: bool,
         #[comptime] numerator_bits: u32,
         #[comptime] offset_bits: u32,
         #[comptime] floor_bits: u32,
@@ -485,7 +506,7 @@ mod kernels {
         tiled_row_gradient::<E, A>(
             rows,
             weights,
-            rows,
+            previous,
             rows,
             grad_rows,
             first,
@@ -496,7 +517,7 @@ mod kernels {
             &no_gains,
             columns,
             0usize,
-            false,
+            with_previous,
             tiles,
             contiguous_weights,
         );

@@ -74,7 +74,7 @@ pub(crate) mod stream_mix;
 #[cfg(feature = "flex")]
 pub(crate) use softmax_mix::fused_softmax_mix;
 mod token_mix;
-pub(crate) use token_mix::{token_mix, token_mix_leaving};
+pub(crate) use token_mix::{token_mix_columns, token_mix_leaving};
 #[cfg(feature = "cube-kernels")]
 mod unit_kernels;
 #[cfg(feature = "flex")]

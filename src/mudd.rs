@@ -58,7 +58,7 @@ use burn::prelude::*;
 use burn::tensor::Distribution;
 
 use crate::activation::gelu;
-use crate::backend::{rms_projection, token_mix};
+use crate::backend::{rms_projection, token_mix_columns};
 use crate::connectivity::{Connectivity, ConnectivityConfig, StreamConnectivity};
 use crate::error::{Error, Result, check_depth, check_positive, check_size};
 use crate::matrix::ConnectivityMatrix;
@@ -205,17 +205,10 @@ impl<const D: usize> MuddState<D> {
     }
 }
 
-/// `Σ_j A[c, j] X_j` for the weights `[..., C·n]` of `n` states (the per-token mixture op).
+/// `Σ_j A[c, j] X_j` for the weights `[..., C·n]` of `n` states (the per-token mixture op,
+/// reading way `c`'s columns of the table in place where it can).
 fn mix<const D: usize>(states: &[Tensor<D>], weights: &Tensor<D>, way: usize) -> Tensor<D> {
-    let count = states.len();
-    // One way's weights are the whole table: a narrow over all of it would still cost a zero
-    // fill and a slice-assign backward.
-    let weights = if weights.dims()[D - 1] == count {
-        weights.clone()
-    } else {
-        weights.clone().narrow(D - 1, way * count, count)
-    };
-    token_mix(weights, states.to_vec())
+    token_mix_columns(weights.clone(), way * states.len(), states.to_vec())
 }
 
 impl Mudd {

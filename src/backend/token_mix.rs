@@ -78,11 +78,46 @@ pub(crate) fn token_mix_leaving<const D: usize>(
         }
         #[cfg(feature = "cube-kernels")]
         if same_shapes && super::cube_kernels_take(&states[0]) {
-            return parts::token_mix(weights, states);
+            return parts::token_mix(weights, 0, states);
         }
     }
     let _ = gradients;
     composed(weights, states)
+}
+
+/// [`token_mix`] with the weights in the columns `first..first + K` of a wider table
+/// `[..., C]` (MUDD's ways side by side). The CubeCL kernels read those columns in place and
+/// their backward writes the table's gradient whole (zero outside the columns), so no narrow
+/// is taken: a narrow's backward is a zero fill and a slice-assign of the table. Elsewhere the
+/// columns are narrowed (not where they are the whole table).
+pub(crate) fn token_mix_columns<const D: usize>(
+    table: Tensor<D>,
+    first: usize,
+    states: Vec<Tensor<D>>,
+) -> Tensor<D> {
+    let count = states.len();
+    let columns = table.dims()[D - 1];
+    assert!(
+        count > 0 && first + count <= columns,
+        "token mix: columns {first}..{} of {columns}",
+        first + count
+    );
+    #[cfg(feature = "cube-kernels")]
+    {
+        let shape = states[0].dims();
+        let same_shapes = states.iter().all(|state| state.dims() == shape)
+            && table.dims()[..D - 1] == shape[..D - 1]
+            && table.dtype() == states[0].dtype();
+        if same_shapes && super::cube_kernels_take(&states[0]) {
+            return parts::token_mix(table, first, states);
+        }
+    }
+    let weights = if count == columns {
+        table
+    } else {
+        table.narrow(D - 1, first, count)
+    };
+    token_mix(weights, states)
 }
 
 /// [`token_mix`] as tensor ops: a broadcast product per state, summed.
@@ -214,9 +249,11 @@ mod parts {
         );
     }
 
-    /// The mixture as a chain of parts (see [`parts`](self)).
+    /// The mixture as a chain of parts (see [`parts`](self)), its weights in the columns
+    /// `first..first + K` of `weights`.
     pub(super) fn token_mix<const D: usize>(
         weights: Tensor<D>,
+        first: usize,
         states: Vec<Tensor<D>>,
     ) -> Tensor<D> {
         let mut sum: Option<Tensor<D>> = None;
@@ -234,7 +271,7 @@ mod parts {
                 slot(5),
                 slot(6),
                 slot(7),
-                part * PART,
+                first + part * PART,
                 chunk.len(),
                 sum.is_some(),
             );
@@ -1123,6 +1160,47 @@ mod tests {
         super::cube::one_slot_backward(true);
         fused_equals_composed(&device, &[FloatDType::F32], &[3, 9]);
         super::cube::one_slot_backward(false);
+    }
+
+    /// Mixtures reading their columns of a wider table in place (MUDD's ways): two ways over
+    /// three states and one over nine (two parts), against the composed mixtures of the
+    /// narrowed columns: values, the table's gradient (zero outside the columns read) and the
+    /// states'.
+    #[cfg(feature = "wgpu")]
+    #[test]
+    fn columns_of_a_table_equal_composed_on_wgpu() {
+        let device = crate::test_util::wgpu_autodiff();
+        let normal = Distribution::Normal(0.0, 1.0);
+        for (count, columns, ways) in [(3, 10, vec![0, 3]), (9, 20, vec![11])] {
+            let shape = [2, 5, 6];
+            let states: Vec<Tensor<3>> = (0..count)
+                .map(|_| Tensor::random(shape, normal, &device))
+                .collect();
+            let table = Tensor::<3>::random([2, 5, columns], normal, &device);
+            let probe = Tensor::<3>::random(shape, normal, &device);
+            let run = |in_place: bool| {
+                let table = table.clone().require_grad();
+                let states: Vec<Tensor<3>> =
+                    states.iter().map(|s| s.clone().require_grad()).collect();
+                let mixed = ways
+                    .iter()
+                    .map(|&first| {
+                        if in_place {
+                            super::token_mix_columns(table.clone(), first, states.clone())
+                        } else {
+                            let weights = table.clone().narrow(2, first, count);
+                            super::composed(weights, states.clone())
+                        }
+                    })
+                    .reduce(|a, b| a * 0.5 + b)
+                    .expect("a way");
+                let grads = (mixed.clone() * probe.clone()).sum().backward();
+                let mut out = vec![mixed.into_data(), table.grad(&grads).unwrap().into_data()];
+                out.extend(states.iter().map(|s| s.grad(&grads).unwrap().into_data()));
+                out
+            };
+            assert_runs_agree(run(true), run(false), FloatDType::F32);
+        }
     }
 
     /// More tokens than one launch axis takes (65535 cubes on wgpu): the backward's cubes, one

@@ -34,7 +34,8 @@
 //!
 //! The weights' first layer `rms(X) W1` is the normalised projection op, and each way's mixture
 //! `Σ_j A[c, j] X_j` is the per-token mixture op (one fused op each way on Flex, for both; a
-//! kernel each way per eight states on the CubeCL backends); the rest are tensor ops.
+//! kernel each way per eight states on the CubeCL backends, which read the way's columns of the
+//! weights in place); the rest are tensor ops.
 //!
 //! # Shapes
 //! - input, block inputs and outputs: `[..., d]`

@@ -549,6 +549,7 @@ mod tests {
                 knobs,
                 |hc, grads| hc.layers[0].gradient_data(grads),
                 &format!("n={streams} T={tokens} d={width}"),
+                1e-4,
             );
         }
     }

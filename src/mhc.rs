@@ -603,7 +603,9 @@ mod tests {
             row_group: 32,
             ..Knobs::default()
         };
-        for (streams, tokens, width) in [(2, 270_000, 4), (4, 2, 196_608)] {
+        // Rows of 786432 entries: their sums' f32 rounding reached 1.1e-4 of a result's largest
+        // entry in one process (the bound elsewhere); an unwritten entry is off by O(1).
+        for (streams, tokens, width, bound) in [(2, 270_000, 4, 1e-4), (4, 2, 196_608, 1e-3)] {
             let mhc = MhcConfig::new(width)
                 .with_streams(streams)
                 .init(1, &Device::flex().autodiff())
@@ -616,6 +618,7 @@ mod tests {
                 many_rows,
                 |mhc, grads| mhc.layers[0].gradient_data(grads),
                 &format!("n={streams} tokens={tokens} C={width}"),
+                bound,
             );
         }
     }

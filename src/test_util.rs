@@ -357,6 +357,7 @@ pub fn assert_table_kernels_match_flex<M: crate::multi_stream::MultiStream>(
     knobs: crate::backend::Knobs,
     parameters: impl Fn(&M, &burn::tensor::Gradients) -> Vec<TensorData>,
     case: &str,
+    bound: f32,
 ) {
     use crate::backend::{LayerOps, UnitOps, with_each_knobs};
     let flex = Device::flex().autodiff();
@@ -377,7 +378,7 @@ pub fn assert_table_kernels_match_flex<M: crate::multi_stream::MultiStream>(
             |grads| parameters(&on_wgpu, grads),
         )
     });
-    assert_kernels_match(&kernels, &composed, &format!("{case}, {knobs:?}"));
+    assert_kernels_match_within(&kernels, &composed, &format!("{case}, {knobs:?}"), bound);
 }
 
 /// The first layer's connections of `connectivity` for `units`, through the ops `ops` makes
@@ -485,13 +486,24 @@ pub fn layer_results<M: crate::multi_stream::MultiStream>(
 /// entry's largest magnitude; a failure names `case` and the entry.
 #[cfg(feature = "wgpu")]
 fn assert_kernels_match(kernels: &[TensorData], composed: &[TensorData], case: &str) {
+    assert_kernels_match_within(kernels, composed, case, 1e-4);
+}
+
+/// [`assert_kernels_match`] with the absolute bound `bound` of each result's largest magnitude.
+#[cfg(feature = "wgpu")]
+fn assert_kernels_match_within(
+    kernels: &[TensorData],
+    composed: &[TensorData],
+    case: &str,
+    bound: f32,
+) {
     assert_eq!(kernels.len(), composed.len());
     for (index, (kernel, composed)) in kernels.iter().zip(composed).enumerate() {
         let largest = composed
             .iter::<f32>()
             .fold(1.0f32, |largest, value| largest.max(value.abs()));
         assert_eq!(kernel.shape(), composed.shape(), "{case}: result {index}");
-        let tolerance = Tolerance::absolute(1e-4 * largest).set_relative(1e-3);
+        let tolerance = Tolerance::absolute(bound * largest).set_relative(1e-3);
         // The failure names the case and the result, not just a position in a flat tensor.
         let compared = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             kernel.assert_approx_eq::<f32>(composed, tolerance);

@@ -398,6 +398,22 @@ pub(crate) fn on_rows<const D: usize>(
     output.reshape(dims)
 }
 
+/// `tensor.narrow(dim, start, length)`, or `tensor` itself where that covers the whole axis:
+/// Burn's narrow is a slice whatever its range, and a slice's backward is a zero fill and a
+/// slice-assign (two kernels on CubeCL) even when it keeps everything.
+pub(crate) fn narrow_or_whole<const D: usize>(
+    tensor: Tensor<D>,
+    dim: usize,
+    start: usize,
+    length: usize,
+) -> Tensor<D> {
+    if start == 0 && length == tensor.dims()[dim] {
+        tensor
+    } else {
+        tensor.narrow(dim, start, length)
+    }
+}
+
 /// Whether `device` has native FFT kernels: Flex's and CubeCL's own, PyTorch's on LibTorch.
 pub(crate) fn has_native_fft(device: &Device) -> bool {
     is_flex(device) || is_cube(device) || is_libtorch(device)

@@ -68,10 +68,7 @@ pub(crate) fn token_mix_leaving<const D: usize>(
     );
     #[cfg(any(feature = "flex", feature = "cube-kernels"))]
     {
-        let shape = states[0].dims();
-        let same_shapes = states.iter().all(|state| state.dims() == shape)
-            && weights.dims()[..D - 1] == shape[..D - 1]
-            && weights.dtype() == states[0].dtype();
+        let same_shapes = same_shapes(&weights, &states);
         #[cfg(feature = "flex")]
         if count <= MAX_STATES && same_shapes && super::has_fused_flex_ops(&states[0]) {
             return flex::token_mix(weights, states, gradients);
@@ -103,21 +100,20 @@ pub(crate) fn token_mix_columns<const D: usize>(
         first + count
     );
     #[cfg(feature = "cube-kernels")]
-    {
-        let shape = states[0].dims();
-        let same_shapes = states.iter().all(|state| state.dims() == shape)
-            && table.dims()[..D - 1] == shape[..D - 1]
-            && table.dtype() == states[0].dtype();
-        if same_shapes && super::cube_kernels_take(&states[0]) {
-            return parts::token_mix(table, first, states);
-        }
+    if same_shapes(&table, &states) && super::cube_kernels_take(&states[0]) {
+        return parts::token_mix(table, first, states);
     }
-    let weights = if count == columns {
-        table
-    } else {
-        table.narrow(D - 1, first, count)
-    };
-    token_mix(weights, states)
+    token_mix(super::narrow_or_whole(table, D - 1, first, count), states)
+}
+
+/// Whether the fused forms take these: every state of one shape, the weights over the same
+/// leading axes, one float type.
+#[cfg(any(feature = "flex", feature = "cube-kernels"))]
+fn same_shapes<const D: usize>(weights: &Tensor<D>, states: &[Tensor<D>]) -> bool {
+    let shape = states[0].dims();
+    states.iter().all(|state| state.dims() == shape)
+        && weights.dims()[..D - 1] == shape[..D - 1]
+        && weights.dtype() == states[0].dtype()
 }
 
 /// [`token_mix`] as tensor ops: a broadcast product per state, summed.

@@ -29,6 +29,7 @@ use burn::nn::Linear;
 use burn::prelude::*;
 use burn::tensor::Distribution;
 
+use crate::backend::narrow_or_whole;
 use crate::connectivity::{Connectivity, ConnectivityConfig, StreamConnectivity};
 use crate::error::{Error, Result, check_depth, check_positive, check_size};
 use crate::hyperzzw::fft::FftPath;
@@ -138,13 +139,9 @@ impl Fusion {
     fn forward(&self, branch: Tensor<3>, input: Tensor<3>, crop: Crop, path: FftPath) -> Tensor<3> {
         let length = branch.dims()[1];
         let (output, context) = (branch.swap_dims(1, 2), input.swap_dims(1, 2));
-        let mut kernel = self.global.kernel();
-        // At the longest length no narrowing: its backward would fill a zero gradient and write
-        // the incoming one into it (two kernels on CubeCL) for nothing.
-        if length < kernel.dims()[0] {
-            kernel = kernel.narrow(0, 0, length);
-        }
-        let kernel = kernel.transpose().unsqueeze_dim(0);
+        let kernel = narrow_or_whole(self.global.kernel(), 0, 0, length)
+            .transpose()
+            .unsqueeze_dim(0);
         let global = fft_conv_1d(output.clone(), context.clone() * kernel, crop, path);
         let mut branches = vec![output.clone(), global];
         for local in &self.locals {

@@ -8,7 +8,8 @@ use burn_cubecl::kernel::into_contiguous;
 
 use super::UnitKernelsBackend;
 use crate::backend::cube_launch::{
-    Cube, RowTiles, empty, float_types, per_element, per_item, threads_for, weights_product,
+    Cube, RowTiles, empty, float_types, per_element, per_item, rows_and_width, threads_for,
+    weights_product,
 };
 use crate::backend::kernel_constant;
 use kernels::{
@@ -17,9 +18,7 @@ use kernels::{
 
 /// `tensor [..., w]` as contiguous rows `[R, w]`.
 fn as_rows(tensor: FloatTensor<Cube>) -> FloatTensor<Cube> {
-    let shape = tensor.meta.shape();
-    let width = shape[shape.num_dims() - 1];
-    let count = shape.num_elements() / width.max(1);
+    let (count, width) = rows_and_width(&tensor);
     Cube::float_reshape(into_contiguous(tensor), Shape::new([count, width]))
 }
 

@@ -47,6 +47,8 @@ pub(crate) mod gelu;
 mod gradient_slots;
 #[cfg(any(feature = "flex", feature = "cube-kernels"))]
 mod history_mix;
+#[cfg(feature = "kernel-source")]
+pub mod kernel_source;
 #[cfg(any(feature = "flex", feature = "tch", feature = "cube-kernels"))]
 mod layer_norm;
 #[cfg(feature = "flex")]

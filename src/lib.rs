@@ -5,6 +5,11 @@ mod activation;
 pub mod ancre;
 pub mod attention_residuals;
 mod backend;
+/// The CUDA C++ of the crate's heaviest kernels, made without a GPU (the `kernel-source`
+/// feature; `tools/gpu/sass.sh` reads its machine code).
+#[cfg(feature = "kernel-source")]
+#[doc(hidden)]
+pub use backend::kernel_source;
 mod block;
 pub mod compression;
 mod connectivity;

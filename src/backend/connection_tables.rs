@@ -92,6 +92,8 @@ use super::gradient_slots::{Part, take};
 use super::unit_kernels::{UnitKernelsBackend, made_mix};
 
 pub(super) mod cube;
+#[cfg(feature = "kernel-source")]
+pub(crate) use cube::cuda_kernels;
 
 /// The gated form's inputs (see the [module docs](self)).
 pub(crate) struct Gated {

@@ -8,7 +8,7 @@ use burn_cubecl::CubeBackend;
 use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::tensor::CubeTensor;
-use cubecl::ir::ElemType;
+use cubecl::ir::{ElemType, HardwareProperties};
 use cubecl::{CubeCount, CubeDim, calculate_cube_count_elemwise};
 
 /// Bytes of shared memory a cube may use for its partial sums (half of the 32 kB that every
@@ -18,10 +18,21 @@ const SHARED_BYTES: usize = 16 * 1024;
 /// Units per cube for reductions of `slots` values per unit: a power of two up to `most` whose
 /// partial sums fit [`SHARED_BYTES`] and the device's cube size.
 pub(crate) fn threads_for(tensor: &CubeTensor, slots: usize, most: usize) -> usize {
-    let element = tensor.dtype.size().max(4);
+    let hardware = &tensor.client.properties().hardware;
+    threads_on(hardware, tensor.dtype.size(), slots, most)
+}
+
+/// [`threads_for`] on a device's `hardware`, for tensors of `element_bytes` a value.
+pub(crate) fn threads_on(
+    hardware: &HardwareProperties,
+    element_bytes: usize,
+    slots: usize,
+    most: usize,
+) -> usize {
+    let element = element_bytes.max(4);
     let limit = (SHARED_BYTES / (slots.max(1) * element))
         .min(most)
-        .min(tensor.client.properties().hardware.max_units_per_cube as usize)
+        .min(hardware.max_units_per_cube as usize)
         .max(1);
     1 << limit.ilog2()
 }
@@ -292,8 +303,19 @@ impl RowTiles {
     /// The largest cube (a power of two, up to [`MOST_TILE_THREADS`]) whose tile, `slots`
     /// partial sums per unit and `per_row` more entries per row fit the shared memory.
     pub(crate) fn new(like: &CubeTensor, columns: usize, slots: usize, per_row: usize) -> Self {
-        let element = like.dtype.size().max(4);
         let hardware = &like.client.properties().hardware;
+        Self::on(hardware, like.dtype.size(), columns, slots, per_row)
+    }
+
+    /// [`RowTiles::new`] for a device's `hardware` and tensors of `element_bytes` a value.
+    pub(crate) fn on(
+        hardware: &HardwareProperties,
+        element_bytes: usize,
+        columns: usize,
+        slots: usize,
+        per_row: usize,
+    ) -> Self {
+        let element = element_bytes.max(4);
         let device_bytes = match hardware.max_shared_memory_size {
             0 => TILE_SHARED_BYTES,
             bytes => bytes,
@@ -395,10 +417,21 @@ pub(crate) struct RowRuns {
 impl RowRuns {
     /// Runs over `rows` rows of `width` columns on `like`'s device, at most `most` units a cube.
     pub(crate) fn new(like: &CubeTensor, rows: usize, width: usize, most: usize) -> Self {
+        let hardware = &like.client.properties().hardware;
+        Self::on(hardware, rows, width, most)
+    }
+
+    /// [`RowRuns::new`] for a device's `hardware`.
+    pub(crate) fn on(
+        hardware: &HardwareProperties,
+        rows: usize,
+        width: usize,
+        most: usize,
+    ) -> Self {
         let threads = width
             .next_power_of_two()
             .min(most)
-            .min(like.client.properties().hardware.max_units_per_cube as usize)
+            .min(hardware.max_units_per_cube as usize)
             .max(1);
         let column_cubes = width.div_ceil(threads);
         let chunk_rows = rows
@@ -480,6 +513,7 @@ pub(crate) fn weights_product_partials(rows: CubeTensor, scaled_grad: CubeTensor
         columns,
         runs.column_cubes,
         rows_per_step,
+        runs.threads,
         float_types(rows.dtype),
     );
     partials
@@ -1030,10 +1064,38 @@ pub(crate) mod kernels {
         total
     }
 
+    /// `staged[i] = from[start + i]` for `i < len` (at most `most`), the cube's `threads` units
+    /// taking consecutive entries.
+    #[cube]
+    fn stage_rows<E: Float, A: Float>(
+        from: &Tensor<E>,
+        start: usize,
+        len: usize,
+        staged: &mut Shared<[A]>,
+        #[comptime] most: usize,
+        #[comptime] threads: usize,
+    ) {
+        let unit = UNIT_POS as usize;
+        #[unroll]
+        for k in 0..comptime!(most.div_ceil(threads)) {
+            let i = unit + comptime!(k * threads);
+            if i < len {
+                staged[i] = A::cast_from(from[start + i]);
+            }
+        }
+    }
+
     /// Rows `chunk · k .. (chunk + 1) · k` (`k = chunk_rows`) and one unit per column `j` of
     /// `rows [R, w]`: `partials[chunk, j · C + c] = Σ_r rows[r, j] · scaled_grad[r, c]` over
     /// those rows, `rows_per_step` rows per step of the loop, loaded before any is used (see
     /// [`weights_product`](super::weights_product)).
+    ///
+    /// Every unit of a cube reads the same rows of `scaled_grad`: each step the cube copies the
+    /// step's `rows_per_step · C` entries (contiguous) into shared memory, one load a unit, and
+    /// the units read them there. Read from global memory, each multiply-add had a load of its
+    /// own and, the index being a `u32` that may wrap, an add and a 64-bit address product
+    /// before it (806 instructions a step for mHC's 192 multiply-adds on `sm_90a`,
+    /// `tools/gpu/sass.sh`); from shared memory the offsets are constants in the loads.
     #[cube(launch)]
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn weights_product_kernel<E: Float, A: Float>(
@@ -1044,21 +1106,27 @@ pub(crate) mod kernels {
         #[comptime] columns: usize,
         #[comptime] column_cubes: usize,
         #[comptime] rows_per_step: usize,
+        #[comptime] threads: usize,
         #[define(E, A)] _dtypes: [ElemType; 2],
     ) {
         let cube = CUBE_POS;
         let chunk = cube / column_cubes;
-        let j = (cube % column_cubes) * (CUBE_DIM as usize) + UNIT_POS as usize;
+        let unit = UNIT_POS as usize;
+        let j = (cube % column_cubes) * threads + unit;
         let count = rows.shape(0);
         let width = rows.shape(1);
-        if j >= width || chunk >= partials.shape(0) {
+        // Whole cubes only: every unit takes part in the staging and its syncs.
+        if chunk >= partials.shape(0) {
             terminate!();
         }
+        let live = j < width;
         let first = chunk * chunk_rows;
         let mut last = first + chunk_rows;
         if last > count {
             last = count;
         }
+        let step_len = comptime!(rows_per_step * columns);
+        let mut staged = Shared::<[A]>::new_slice(step_len);
         let mut sums = Array::<A>::new(columns);
         #[unroll]
         for c in 0..columns {
@@ -1067,31 +1135,59 @@ pub(crate) mod kernels {
         let mut r = first;
         let mut xs = Array::<A>::new(rows_per_step);
         while r + rows_per_step <= last {
-            #[unroll]
-            for u in 0..rows_per_step {
-                xs[u] = A::cast_from(rows[(r + u) * width + j]);
-            }
-            #[unroll]
-            for u in 0..rows_per_step {
+            stage_rows::<E, A>(
+                scaled_grad,
+                r * columns,
+                step_len,
+                &mut staged,
+                step_len,
+                threads,
+            );
+            if live {
                 #[unroll]
-                for c in 0..columns {
-                    sums[c] += xs[u] * A::cast_from(scaled_grad[(r + u) * columns + c]);
+                for u in 0..rows_per_step {
+                    xs[u] = A::cast_from(rows[(r + u) * width + j]);
                 }
             }
+            sync_cube();
+            if live {
+                #[unroll]
+                for u in 0..rows_per_step {
+                    #[unroll]
+                    for c in 0..columns {
+                        sums[c] += xs[u] * staged[u * columns + c];
+                    }
+                }
+            }
+            sync_cube();
             r += rows_per_step;
         }
-        while r < last {
-            let x = A::cast_from(rows[r * width + j]);
+        // The last rows, fewer than a step.
+        let tail = (last - r) * columns;
+        stage_rows::<E, A>(
+            scaled_grad,
+            r * columns,
+            tail,
+            &mut staged,
+            step_len,
+            threads,
+        );
+        sync_cube();
+        if live {
+            let mut u = 0usize;
+            while r + u < last {
+                let x = A::cast_from(rows[(r + u) * width + j]);
+                #[unroll]
+                for c in 0..columns {
+                    sums[c] += x * staged[u * columns + c];
+                }
+                u += 1;
+            }
+            let base = (chunk * width + j) * columns;
             #[unroll]
             for c in 0..columns {
-                sums[c] += x * A::cast_from(scaled_grad[r * columns + c]);
+                partials[base + c] = sums[c];
             }
-            r += 1;
-        }
-        let base = (chunk * width + j) * columns;
-        #[unroll]
-        for c in 0..columns {
-            partials[base + c] = sums[c];
         }
     }
 
@@ -1113,6 +1209,53 @@ pub(crate) mod kernels {
         }
         sums[k] = E::cast_from(total);
     }
+}
+
+/// The weights' gradient `xᵀ (s ⊙ δ)` of mHC's and HC's tables at the model workload (`tokens`
+/// tokens of `n` units of `width`, f32), as [`weights_product_partials`] launches it with the
+/// default knobs.
+#[cfg(feature = "kernel-source")]
+pub(crate) fn cuda_kernels(
+    target: &super::kernel_source::Target,
+    tokens: usize,
+    n: usize,
+    width: usize,
+) -> Result<Vec<super::kernel_source::CudaKernel>, String> {
+    use super::kernel_source::{F32, tensor};
+    let ProductPath::Kernel { rows_per_step } = knobs().weights_product else {
+        return Ok(Vec::new());
+    };
+    let mut out = Vec::new();
+    // mHC: rows of `n · width`, `2n + n²` columns; HC: rows of `width` for each unit, `n + 2`.
+    for (name, rows, row_width, columns) in [
+        ("weights_product (mHC)", tokens, n * width, 2 * n + n * n),
+        ("weights_product (HC)", tokens * n, width, n + 2),
+    ] {
+        let runs = RowRuns::on(
+            target.hardware(),
+            rows,
+            row_width,
+            knobs().most_summing_units,
+        );
+        let kernel = kernels::weights_product_kernel::WeightsProductKernel::new(
+            target.settings(runs.threads),
+            target.device(),
+            target.runtime(),
+            tensor(),
+            tensor(),
+            tensor(),
+            (),
+            columns,
+            runs.column_cubes,
+            rows_per_step,
+            runs.threads,
+            F32,
+        );
+        let case = format!("{rows} rows of {row_width}, {columns} columns, f32");
+        let cubes = runs.column_cubes * runs.chunks;
+        out.push(target.compile(name, &case, kernel, runs.threads, cubes)?);
+    }
+    Ok(out)
 }
 
 #[cfg(test)]

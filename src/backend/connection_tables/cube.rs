@@ -1698,3 +1698,108 @@ mod kernels {
         }
     }
 }
+
+/// The table kernels of mHC (normalised, Sinkhorn-Knopp, `n` streams) and HC (gated, `tanh`)
+/// at `tokens` tokens of `n` units of `width`, f32, as their launches above build them with
+/// the default knobs (the backward with the streams' gradient so far and the block input's).
+/// Constants (ε, the row scales) are mHC's and HC's; they change literals only.
+#[cfg(feature = "kernel-source")]
+pub(crate) fn cuda_kernels(
+    target: &crate::backend::kernel_source::Target,
+    tokens: usize,
+    n: usize,
+    width: usize,
+) -> Result<Vec<crate::backend::kernel_source::CudaKernel>, String> {
+    use crate::backend::cube_launch::threads_on;
+    use crate::backend::kernel_source::{F32, tensor};
+    use kernels::gated_backward_kernel::GatedBackwardKernel;
+    use kernels::gated_forward_kernel::GatedForwardKernel;
+    use kernels::normalised_backward_kernel::NormalisedBackwardKernel;
+    use kernels::normalised_forward_kernel::NormalisedForwardKernel;
+    // Each kernel's tensors on one line: only their compilation arguments matter here.
+    let t = tensor;
+    let hardware = target.hardware();
+    let Knobs {
+        gated_weights,
+        gated_rows,
+        ..
+    } = knobs();
+    let mut out = Vec::new();
+
+    // mHC: rows of `n · width`, `2n + n²` columns, 20 Sinkhorn-Knopp iterations.
+    let (mixtures, iterations) = (0, 20);
+    let columns = normalised_columns(n, mixtures);
+    let case = format!("mHC, {tokens} tokens of {n} × {width}, f32");
+    let root = ((n * width) as f64).sqrt();
+    let [epsilon, numerator, offset] = [1e-6, root, 1e-6 * root].map(kernel_constant);
+    let tiles = RowTiles::on(hardware, 4, columns, columns + 1, n);
+    let cubes = tokens.div_ceil(tiles.rows_per_cube());
+    #[rustfmt::skip]
+    let forward = NormalisedForwardKernel::new(
+        target.settings(tiles.threads), target.device(), target.runtime(),
+        t(), t(), t(), t(), t(), t(), t(), t(), t(), t(), t(),
+        n, mixtures, iterations, /* packed scales */ true, tiles, /* contiguous Φ */ true,
+        /* given projection */ false,
+        /* ε_in, depth factor, Sinkhorn-Knopp's ε */ epsilon, kernel_constant(2.0), epsilon,
+        /* the row scale */ numerator, offset, kernel_constant(0.0),
+        F32,
+    );
+    out.push(target.compile("normalised_forward", &case, forward, tiles.threads, cubes)?);
+    let tiles = RowTiles::on(hardware, 4, columns, n, columns + 2 + n);
+    let cubes = tokens.div_ceil(tiles.rows_per_cube());
+    #[rustfmt::skip]
+    let backward = NormalisedBackwardKernel::new(
+        target.settings(tiles.threads), target.device(), target.runtime(),
+        t(), t(), t(), t(), t(), t(), t(), t(), t(), t(), t(), t(), t(), t(), t(),
+        n, mixtures, iterations, /* packed scales */ true, tiles, /* contiguous Φ */ true,
+        /* the streams' gradient so far, the block input's */ true, true,
+        /* given product */ false,
+        /* ε_in, depth factor, Sinkhorn-Knopp's ε */ epsilon, kernel_constant(2.0), epsilon,
+        /* the row scale */ numerator, offset,
+        F32,
+    );
+    out.push(target.compile("normalised_backward", &case, backward, tiles.threads, cubes)?);
+
+    // HC: rows of `width`, `n` mixing columns and one view column, `tanh`.
+    let columns = n + 1;
+    let views = columns - n;
+    let case = format!("HC, {tokens} tokens of {n} × {width}, f32");
+    let [numerator, offset, floor] = [(width as f64).sqrt(), 0.0, 1e-12].map(kernel_constant);
+    let tokens_per_cube = (gated_rows / n).max(1);
+    let threads = threads_on(
+        hardware,
+        4,
+        tokens_per_cube * n * (columns + 2 + views),
+        MOST_THREADS,
+    );
+    #[rustfmt::skip]
+    let forward = GatedForwardKernel::new(
+        target.settings(threads), target.device(), target.runtime(),
+        t(), t(), t(), t(), t(), t(), t(), t(), t(), t(), t(),
+        columns, n, threads, tokens_per_cube, /* tanh */ true,
+        gated_weights == GatedWeights::Staged,
+        /* the row scale */ numerator, offset, floor,
+        F32,
+    );
+    let cubes = tokens.div_ceil(tokens_per_cube);
+    out.push(target.compile("gated_forward", &case, forward, threads, cubes)?);
+    let threads = threads_on(
+        hardware,
+        4,
+        gated_rows * views + (columns | 1),
+        MOST_THREADS,
+    );
+    #[rustfmt::skip]
+    let backward = GatedBackwardKernel::new(
+        target.settings(threads), target.device(), target.runtime(),
+        t(), t(), t(), t(), t(), t(), t(), t(), t(), t(), t(), t(), t(), t(), t(),
+        columns, n, threads, gated_rows, /* tanh */ true,
+        /* the streams' gradient so far */ true, /* the block input's views */ views,
+        gated_weights == GatedWeights::Staged,
+        /* the row scale */ numerator, offset, floor,
+        F32,
+    );
+    let cubes = (tokens * n).div_ceil(gated_rows);
+    out.push(target.compile("gated_backward", &case, backward, threads, cubes)?);
+    Ok(out)
+}

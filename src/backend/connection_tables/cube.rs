@@ -6,11 +6,12 @@ use burn::backend::tensor::FloatTensor;
 use burn::tensor::Shape;
 use burn_cubecl::CubeBackend;
 use burn_cubecl::kernel::into_contiguous;
+use cubecl::ir::HardwareProperties;
 
 use super::{ConnectionTableBackend, normalised_columns};
 use crate::backend::cube_launch::{
     Cube, GatedWeights, Knobs, ProjectionPath, RowTiles, empty, float_types, knobs, per_element,
-    per_item, threads_for, weights_product_partials,
+    per_item, threads_on, weights_product_partials,
 };
 use crate::backend::kernel_constant;
 use kernels::{
@@ -42,6 +43,66 @@ fn unit_rows(units: FloatTensor<CubeBackend>) -> (FloatTensor<CubeBackend>, [usi
     )
 }
 
+/// Tokens per cube (whole tokens, as many as fit the gated rows knob; one at least) and units
+/// per cube of the gated forward kernel for `count` units a token and `columns` mixing columns.
+fn gated_forward_shape(
+    hardware: &HardwareProperties,
+    element_bytes: usize,
+    count: usize,
+    columns: usize,
+    gated_rows: usize,
+) -> (usize, usize) {
+    let views = columns - count;
+    let tokens_per_cube = (gated_rows / count).max(1);
+    // Per unit, the cube's rows' partial sums; the rows' view weights (`views` a row, for the
+    // block input) counted per unit too, which over-counts them but keeps the sum within the
+    // budget at every cube size.
+    let slots = tokens_per_cube * count * (columns + 2 + views);
+    let threads = threads_on(hardware, element_bytes, slots, MOST_THREADS);
+    (tokens_per_cube, threads)
+}
+
+/// Units per cube of the gated backward kernel. Shared memory: the block input's products,
+/// `gated_rows · input_views` a unit, and with staged weights `columns | 1` more.
+fn gated_backward_threads(
+    hardware: &HardwareProperties,
+    element_bytes: usize,
+    columns: usize,
+    input_views: usize,
+    gated_rows: usize,
+) -> usize {
+    let slots = gated_rows * input_views.max(1) + (columns | 1);
+    threads_on(hardware, element_bytes, slots, MOST_THREADS)
+}
+
+/// The normalised forward's tiles: `columns + 1` sums a unit, the rows' `H_pre` (`streams`
+/// entries a row) kept for the block input.
+fn normalised_forward_tiles(
+    hardware: &HardwareProperties,
+    element_bytes: usize,
+    columns: usize,
+    streams: usize,
+) -> RowTiles {
+    RowTiles::on(hardware, element_bytes, columns, columns + 1, streams)
+}
+
+/// The normalised backward's tiles: the block input's `streams` products a unit, `columns + 2 +
+/// streams` entries a row for the steps of `∂x`.
+fn normalised_backward_tiles(
+    hardware: &HardwareProperties,
+    element_bytes: usize,
+    columns: usize,
+    streams: usize,
+) -> RowTiles {
+    RowTiles::on(
+        hardware,
+        element_bytes,
+        columns,
+        streams,
+        columns + 2 + streams,
+    )
+}
+
 impl ConnectionTableBackend for CubeBackend {
     fn gated_table(
         units: FloatTensor<Self>,
@@ -69,17 +130,9 @@ impl ConnectionTableBackend for CubeBackend {
             gated_rows,
             ..
         } = knobs();
-        // Whole tokens per cube, for the block input: as many as fit the knob's rows (one at
-        // least).
-        let tokens_per_cube = (gated_rows / count).max(1);
-        // Per unit, the cube's rows' partial sums; the rows' view weights (`views` a row, for
-        // the block input) counted per unit too, which over-counts them but keeps the sum
-        // within the budget at every cube size.
-        let threads = threads_for(
-            &rows,
-            tokens_per_cube * count * (columns + 2 + views),
-            MOST_THREADS,
-        );
+        let hardware = &rows.client.properties().hardware;
+        let (tokens_per_cube, threads) =
+            gated_forward_shape(hardware, rows.dtype.size(), count, columns, gated_rows);
         let (launch_cubes, dim) = per_item(&rows, tokens.div_ceil(tokens_per_cube), threads);
         gated_forward_kernel::launch(
             &rows.client,
@@ -159,12 +212,13 @@ impl ConnectionTableBackend for CubeBackend {
             gated_rows,
             ..
         } = knobs();
-        // Shared memory: the block input's products, `gated_rows · input_views` a unit, and
-        // with staged weights `columns | 1` more.
-        let threads = threads_for(
-            &rows,
-            gated_rows * input_views.max(1) + (columns | 1),
-            MOST_THREADS,
+        let hardware = &rows.client.properties().hardware;
+        let threads = gated_backward_threads(
+            hardware,
+            rows.dtype.size(),
+            columns,
+            input_views,
+            gated_rows,
         );
         let (launch_cubes, dim) = per_item(&rows, count.div_ceil(gated_rows), threads);
         gated_backward_kernel::launch(
@@ -282,7 +336,12 @@ impl ConnectionTableBackend for CubeBackend {
         let projection = empty(&rows, Shape::new([tokens, columns + 1]));
         let input = empty(&rows, Shape::new([tokens, 1, unit_width]));
         // (`streams` more entries a row: the rows' `H_pre`, kept for the block input)
-        let tiles = RowTiles::new(&rows, columns, columns + 1, streams);
+        let tiles = normalised_forward_tiles(
+            &rows.client.properties().hardware,
+            rows.dtype.size(),
+            columns,
+            streams,
+        );
         let (launch_cubes, dim) = tiles.launch(&rows, tokens);
         let packed_scales = packed(&input_scale);
         let contiguous_weights = weights.is_contiguous();
@@ -366,7 +425,12 @@ impl ConnectionTableBackend for CubeBackend {
         let columns = normalised_columns(streams, mixtures);
         let scaled_grad = empty(&rows, Shape::new([tokens, columns]));
         let partials = empty(&rows, Shape::new([tokens, columns + 3]));
-        let tiles = RowTiles::new(&rows, columns, streams, columns + 2 + streams);
+        let tiles = normalised_backward_tiles(
+            &rows.client.properties().hardware,
+            rows.dtype.size(),
+            columns,
+            streams,
+        );
         let (launch_cubes, dim) = tiles.launch(&rows, tokens);
         let packed_scales = packed(&input_scale);
         let scale_shapes =
@@ -1710,7 +1774,6 @@ pub(crate) fn cuda_kernels(
     n: usize,
     width: usize,
 ) -> Result<Vec<crate::backend::kernel_source::CudaKernel>, String> {
-    use crate::backend::cube_launch::threads_on;
     use crate::backend::kernel_source::{F32, tensor};
     use kernels::gated_backward_kernel::GatedBackwardKernel;
     use kernels::gated_forward_kernel::GatedForwardKernel;
@@ -1732,7 +1795,7 @@ pub(crate) fn cuda_kernels(
     let case = format!("mHC, {tokens} tokens of {n} × {width}, f32");
     let root = ((n * width) as f64).sqrt();
     let [epsilon, numerator, offset] = [1e-6, root, 1e-6 * root].map(kernel_constant);
-    let tiles = RowTiles::on(hardware, 4, columns, columns + 1, n);
+    let tiles = normalised_forward_tiles(hardware, 4, columns, n);
     let cubes = tokens.div_ceil(tiles.rows_per_cube());
     #[rustfmt::skip]
     let forward = NormalisedForwardKernel::new(
@@ -1745,7 +1808,7 @@ pub(crate) fn cuda_kernels(
         F32,
     );
     out.push(target.compile("normalised_forward", &case, forward, tiles.threads, cubes)?);
-    let tiles = RowTiles::on(hardware, 4, columns, n, columns + 2 + n);
+    let tiles = normalised_backward_tiles(hardware, 4, columns, n);
     let cubes = tokens.div_ceil(tiles.rows_per_cube());
     #[rustfmt::skip]
     let backward = NormalisedBackwardKernel::new(
@@ -1765,13 +1828,7 @@ pub(crate) fn cuda_kernels(
     let views = columns - n;
     let case = format!("HC, {tokens} tokens of {n} × {width}, f32");
     let [numerator, offset, floor] = [(width as f64).sqrt(), 0.0, 1e-12].map(kernel_constant);
-    let tokens_per_cube = (gated_rows / n).max(1);
-    let threads = threads_on(
-        hardware,
-        4,
-        tokens_per_cube * n * (columns + 2 + views),
-        MOST_THREADS,
-    );
+    let (tokens_per_cube, threads) = gated_forward_shape(hardware, 4, n, columns, gated_rows);
     #[rustfmt::skip]
     let forward = GatedForwardKernel::new(
         target.settings(threads), target.device(), target.runtime(),
@@ -1783,12 +1840,7 @@ pub(crate) fn cuda_kernels(
     );
     let cubes = tokens.div_ceil(tokens_per_cube);
     out.push(target.compile("gated_forward", &case, forward, threads, cubes)?);
-    let threads = threads_on(
-        hardware,
-        4,
-        gated_rows * views + (columns | 1),
-        MOST_THREADS,
-    );
+    let threads = gated_backward_threads(hardware, 4, columns, views, gated_rows);
     #[rustfmt::skip]
     let backward = GatedBackwardKernel::new(
         target.settings(threads), target.device(), target.runtime(),

@@ -36,7 +36,9 @@ mod cube_launch;
 #[cfg(feature = "cube-kernels")]
 pub(crate) mod depthwise_conv;
 #[cfg(all(test, feature = "cube-kernels"))]
-pub(crate) use cube_launch::{GatedWeights, Knobs, ProductPath, ProjectionPath, with_each_knobs};
+pub(crate) use cube_launch::{
+    GatedWeights, Knobs, ProductPath, ProjectionPath, TilePadding, with_each_knobs,
+};
 #[cfg(any(feature = "flex", feature = "cube-kernels"))]
 pub(crate) mod fft_conv;
 #[cfg(feature = "flex")]

@@ -93,6 +93,12 @@ pub(crate) enum ProductPath {
     Kernel { rows_per_step: usize },
 }
 
+/// Entries of a unit's row whose loads the row gradient's pass over a weight tile issues
+/// together (`tiled_row_gradient`): one entry at a time, each entry's loads of the row, the
+/// earlier gradient and the block input's gradient waited for in turn (not yet measured on a
+/// GPU).
+const ROW_GRADIENT_BATCH: usize = 4;
+
 /// Rows per step of [`weights_product`]'s loop: their loads of `x` issued together, so a unit
 /// has a step's rows in flight rather than one row's (not yet measured on a GPU).
 const PRODUCT_ROWS_PER_STEP: usize = 8;
@@ -125,6 +131,13 @@ pub(crate) enum GatedWeights {
 /// - `row_group`, `BURN_CONNECTIVITY_ROW_GROUP`: units per row of the tiled row kernels, a power
 ///   of two from 2 to 32 (default [`ROW_GROUP`]; on an H200, 16 and 32 were slower than 8,
 ///   BENCHMARKS.md, fifth lease);
+/// - `row_gradient_batch`, `BURN_CONNECTIVITY_ROW_GRADIENT_BATCH`: entries of a unit's row
+///   whose loads the row gradient's pass over a tile issues together, a power of two from 1
+///   (the pass before, one entry at a time) to 16 (default [`ROW_GRADIENT_BATCH`]; capped at
+///   the unit's entries a tile);
+/// - `tile_padding`, `BURN_CONNECTIVITY_TILE_PADDING`: `odd` (the tiles before) or `vector`
+///   (default), the distance between a weight tile's entries in the tiled row kernels
+///   ([`TilePadding`]);
 /// - `weights_product`, `BURN_CONNECTIVITY_WEIGHTS_PRODUCT`: `matmul` (Burn's matmul; faster
 ///   than the crate's kernel for mHC's shape and ten times slower for HC's, measured on
 ///   different GPUs) or the kernel's rows per step, a power of two from 1 (the kernel before the
@@ -152,6 +165,8 @@ pub(crate) enum GatedWeights {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Knobs {
     pub row_group: usize,
+    pub row_gradient_batch: usize,
+    pub tile_padding: TilePadding,
     pub weights_product: ProductPath,
     pub table_projection: ProjectionPath,
     pub gated_weights: GatedWeights,
@@ -168,6 +183,8 @@ impl Default for Knobs {
     fn default() -> Self {
         Self {
             row_group: ROW_GROUP,
+            row_gradient_batch: ROW_GRADIENT_BATCH,
+            tile_padding: TilePadding::Vector,
             weights_product: ProductPath::Kernel {
                 rows_per_step: PRODUCT_ROWS_PER_STEP,
             },
@@ -194,6 +211,15 @@ impl Knobs {
             .ok()
             .filter(|group| group.is_power_of_two() && (2..=32).contains(group))
             .unwrap_or(defaults.row_group);
+        let row_gradient_batch = read("BURN_CONNECTIVITY_ROW_GRADIENT_BATCH")
+            .parse::<usize>()
+            .ok()
+            .filter(|batch| batch.is_power_of_two() && *batch <= 16)
+            .unwrap_or(defaults.row_gradient_batch);
+        let tile_padding = match read("BURN_CONNECTIVITY_TILE_PADDING").as_str() {
+            "odd" => TilePadding::Odd,
+            _ => defaults.tile_padding,
+        };
         let product = read("BURN_CONNECTIVITY_WEIGHTS_PRODUCT");
         let weights_product = match product.as_str() {
             "matmul" => ProductPath::Matmul,
@@ -220,6 +246,8 @@ impl Knobs {
             .unwrap_or(defaults.gated_rows);
         Self {
             row_group,
+            row_gradient_batch,
+            tile_padding,
             weights_product,
             table_projection,
             gated_weights,
@@ -283,10 +311,30 @@ pub(crate) fn with_each_knobs<R, const N: usize>(
 /// Units per cube of the tiled row kernels (at most).
 const MOST_TILE_THREADS: usize = 128;
 
+/// How far apart a weight tile's entries `W[j, ·]` lie in shared memory (see [`RowTiles`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum TilePadding {
+    /// `C | 1`: the 8 entries a warp's row groups read at once lie in distinct banks.
+    Odd,
+    /// For 4-byte entries and `C ≥ 4`, `4 · (⌈C / 4⌉ | 1)` (28 for mHC's 24): each entry starts
+    /// 16-byte aligned, so a unit's `C` reads of one entry can be 128-bit loads (ptxas makes
+    /// `LDS.128` of them where it sees the alignment), and 8 entries, 4 banks each, still fall
+    /// in distinct banks. Otherwise as `Odd`.
+    Vector,
+}
+
+/// The distance between a weight tile's entries: `C` columns of `element`-byte entries.
+pub(crate) fn tile_padding(columns: usize, element: usize, padding: TilePadding) -> usize {
+    match padding {
+        TilePadding::Vector if element == 4 && columns >= 4 => 4 * (columns.div_ceil(4) | 1),
+        _ => columns | 1,
+    }
+}
+
 /// The launch of a kernel that projects several rows of `x [R, w]` per cube through a
 /// `[w, C]` weight matrix read in tiles: `threads` units, `group` of them per row, so
 /// `rows_per_cube = threads / group` rows share each tile of `threads` entries of `w`, held in
-/// shared memory `padded` (odd, so the units of a row group read it in distinct banks) apart.
+/// shared memory `padded` apart (see [`tile_padding`]).
 ///
 /// Per row, the weights cost one pass over `w·C` values; a cube per row made every row stream
 /// the whole matrix again (24× the row's own bytes for mHC's `C = 24`).
@@ -297,6 +345,10 @@ pub(crate) struct RowTiles {
     pub padded: usize,
     /// Entries of the shared buffer that holds the tile, then the per-unit sums.
     pub shared: usize,
+    /// Entries of a unit's row whose loads [`tiled_row_gradient`](kernels::tiled_row_gradient)
+    /// issues together (the `row_gradient_batch` knob, at most `threads / group`: both powers
+    /// of two, so it divides them).
+    pub batch: usize,
 }
 
 impl RowTiles {
@@ -321,17 +373,19 @@ impl RowTiles {
             bytes => bytes,
         };
         let budget = TILE_SHARED_BYTES.min(device_bytes) / element;
-        let padded = columns | 1;
+        let padded = tile_padding(columns, element, knobs().tile_padding);
         let most = MOST_TILE_THREADS
             .min(hardware.max_units_per_cube as usize)
             .max(1);
         let mut threads = 1 << most.ilog2();
         loop {
+            let group = knobs().row_group.min(threads);
             let tiles = Self {
                 threads,
-                group: knobs().row_group.min(threads),
+                group,
                 padded,
                 shared: (threads * padded).max(threads * slots),
+                batch: knobs().row_gradient_batch.min(threads / group),
             };
             if tiles.shared + tiles.rows_per_cube() * per_row <= budget || threads == 1 {
                 return tiles;
@@ -1010,36 +1064,67 @@ pub(crate) mod kernels {
         let row = first + unit / group;
         let live = row < rows.shape(0);
         let view_width = width / comptime!(views.max(1));
+        let batch = comptime!(tiles.batch);
         let mut start = 0usize;
         while start < width {
             load_weight_tile::<E, A>(weights, start, shared, columns, threads, padded, contiguous);
             sync_cube();
             if live {
-                let mut entry = in_group;
-                while entry < threads {
-                    let j = start + entry;
-                    if j < width {
-                        let at = row * width + j;
-                        let mut value = scale
-                            * tile_dot::<A>(&*shared, entry, step, columns, padded)
-                            + along * A::cast_from(rows[at]);
-                        if comptime!(with_previous) {
-                            value += A::cast_from(previous[at]);
-                        }
-                        if comptime!(views > 0) {
-                            let view = j / view_width;
-                            let mut gain = A::new(0.0);
-                            #[unroll]
-                            for k in 0..views {
-                                if view == k {
-                                    gain = gains[k];
-                                }
+                // The unit's entries `in_group + e · group` in batches, each batch's loads
+                // issued before its products: one entry at a time, each waited for its three
+                // loads in turn.
+                for first_entry in 0..comptime!(threads / group / batch) {
+                    let mut xs = Array::<A>::new(batch);
+                    let mut earlier = Array::<A>::new(batch);
+                    let mut added = Array::<A>::new(batch);
+                    #[unroll]
+                    for e in 0..batch {
+                        let j = start + in_group + (first_entry * batch + e) * group;
+                        let mut x = A::new(0.0);
+                        let mut before = A::new(0.0);
+                        let mut term = A::new(0.0);
+                        if j < width {
+                            let at = row * width + j;
+                            x = A::cast_from(rows[at]);
+                            if comptime!(with_previous) {
+                                before = A::cast_from(previous[at]);
                             }
-                            value += gain * A::cast_from(other[row * view_width + j % view_width]);
+                            if comptime!(views > 0) {
+                                // Part k of the row starts at k · view_width: comparisons,
+                                // not a division by a width known only at run time.
+                                let mut gain = gains[0];
+                                let mut offset = j;
+                                #[unroll]
+                                for k in 1..views {
+                                    if j >= k * view_width {
+                                        gain = gains[k];
+                                        offset = j - k * view_width;
+                                    }
+                                }
+                                term = gain * A::cast_from(other[row * view_width + offset]);
+                            }
                         }
-                        grad_rows[at] = E::cast_from(value);
+                        xs[e] = x;
+                        earlier[e] = before;
+                        added[e] = term;
                     }
-                    entry += group;
+                    #[unroll]
+                    for e in 0..batch {
+                        let entry = in_group + (first_entry * batch + e) * group;
+                        let j = start + entry;
+                        if j < width {
+                            let mut value = scale
+                                * tile_dot::<A>(&*shared, entry, step, columns, padded)
+                                + along * xs[e];
+                            if comptime!(with_previous) {
+                                value += earlier[e];
+                            }
+                            if comptime!(views > 0) {
+                                value += added[e];
+                            }
+                            grad_rows[row * width + j] = E::cast_from(value);
+                        }
+                    }
                 }
             }
             sync_cube();
@@ -1260,7 +1345,7 @@ pub(crate) fn cuda_kernels(
 
 #[cfg(test)]
 mod tests {
-    use super::{GatedWeights, Knobs, ProductPath, ProjectionPath};
+    use super::{GatedWeights, Knobs, ProductPath, ProjectionPath, TilePadding, tile_padding};
 
     /// The variables `tools/gpu/measure.sh` sets reach the knobs, and values out of range leave
     /// the defaults (a misread variable would have a lease time the default form twice).
@@ -1277,6 +1362,8 @@ mod tests {
         assert_eq!(read(&[]), Knobs::default());
         let every = read(&[
             ("BURN_CONNECTIVITY_ROW_GROUP", "16"),
+            ("BURN_CONNECTIVITY_ROW_GRADIENT_BATCH", "16"),
+            ("BURN_CONNECTIVITY_TILE_PADDING", "odd"),
             ("BURN_CONNECTIVITY_WEIGHTS_PRODUCT", "matmul"),
             ("BURN_CONNECTIVITY_TABLE_PROJECTION", "matmul"),
             ("BURN_CONNECTIVITY_GATED_WEIGHTS", "staged"),
@@ -1284,6 +1371,8 @@ mod tests {
         ]);
         let expected = Knobs {
             row_group: 16,
+            row_gradient_batch: 16,
+            tile_padding: TilePadding::Odd,
             weights_product: ProductPath::Matmul,
             table_projection: ProjectionPath::Matmul,
             gated_weights: GatedWeights::Staged,
@@ -1297,11 +1386,37 @@ mod tests {
         );
         let out_of_range = read(&[
             ("BURN_CONNECTIVITY_ROW_GROUP", "1"),
+            ("BURN_CONNECTIVITY_ROW_GRADIENT_BATCH", "3"),
+            ("BURN_CONNECTIVITY_TILE_PADDING", "even"),
             ("BURN_CONNECTIVITY_WEIGHTS_PRODUCT", "3"),
             ("BURN_CONNECTIVITY_TABLE_PROJECTION", "tile"),
             ("BURN_CONNECTIVITY_GATED_WEIGHTS", "shared"),
             ("BURN_CONNECTIVITY_GATED_ROWS", "16"),
         ]);
         assert_eq!(out_of_range, Knobs::default());
+    }
+
+    /// Vector padding starts every entry 16-byte aligned, and 8 consecutive entries (a warp's
+    /// row groups at the default 8 units a row) start in distinct banks of 4; odd padding and
+    /// 8-byte entries keep the odd distance.
+    #[test]
+    fn tile_padding_aligns_entries_in_distinct_banks() {
+        for columns in 4..=80 {
+            let padded = tile_padding(columns, 4, TilePadding::Vector);
+            assert!(
+                padded >= columns && padded % 4 == 0,
+                "C = {columns}: {padded}"
+            );
+            assert!(padded < columns + 8, "C = {columns}: {padded}");
+            let mut banks: Vec<usize> = (0..8).map(|k| k * padded % 32).collect();
+            banks.sort_unstable();
+            banks.dedup();
+            assert_eq!(banks.len(), 8, "C = {columns}: {padded}");
+        }
+        assert_eq!(tile_padding(24, 4, TilePadding::Vector), 28);
+        assert_eq!(tile_padding(6, 4, TilePadding::Vector), 12);
+        assert_eq!(tile_padding(3, 4, TilePadding::Vector), 3);
+        assert_eq!(tile_padding(24, 8, TilePadding::Vector), 25);
+        assert_eq!(tile_padding(24, 4, TilePadding::Odd), 25);
     }
 }

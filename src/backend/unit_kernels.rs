@@ -58,7 +58,7 @@ mod cube;
 pub(crate) const MAX_UNITS: usize = 8;
 
 /// The most columns of the projection kernels: a cube's tile of the weights (`threads × C`
-/// entries, `C` odd-padded) lives in shared memory ([`RowTiles`](super::cube_launch::RowTiles),
+/// entries, `C` padded) lives in shared memory ([`RowTiles`](super::cube_launch::RowTiles),
 /// 24 kB), and past this even two units' tile of f64 weights could outgrow it. Wider projections
 /// (AttnRes past 1024 blocks, MUDD past 255) compose.
 pub(crate) const MAX_PROJECTION_COLUMNS: usize = 1024;

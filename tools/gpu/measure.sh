@@ -34,6 +34,10 @@
 #                   $PRODUCTS (default "matmul 1"; BURN_CONNECTIVITY_WEIGHTS_PRODUCT): Burn's
 #                   matmul, or the crate's kernels with that many rows per step (default 8;
 #                   1 is the kernel the fifth lease measured)
+#   profile-tiles   the same for mHC with the tiled row kernels' earlier forms: the row
+#                   gradient one entry at a time (BURN_CONNECTIVITY_ROW_GRADIENT_BATCH=1), then
+#                   also the tiles' odd padding (BURN_CONNECTIVITY_TILE_PADDING=odd), against
+#                   the defaults (4 entries a batch, 16-byte aligned entries) in cuda-profile
 #   profile-projection  the same for mHC with Burn's matmul for the normalised table's products
 #                   with its weights (BURN_CONNECTIVITY_TABLE_PROJECTION=matmul: forward xΦ,
 #                   backward (s δ)Φᵀ), then with the weights' gradient through the matmul too
@@ -290,6 +294,12 @@ run_stage() {
             echo "## weights product $product" >>"$OUT/profile.log"
             with_env BURN_CONNECTIVITY_WEIGHTS_PRODUCT="$product" profile hc,mhc
         done ;;
+    profile-tiles)
+        echo "## row gradient batch 1" >>"$OUT/profile.log"
+        with_env BURN_CONNECTIVITY_ROW_GRADIENT_BATCH=1 profile mhc
+        echo "## row gradient batch 1, tile padding odd" >>"$OUT/profile.log"
+        with_env BURN_CONNECTIVITY_ROW_GRADIENT_BATCH=1 \
+            with_env BURN_CONNECTIVITY_TILE_PADDING=odd profile mhc ;;
     profile-projection)
         echo "## table projection matmul" >>"$OUT/profile.log"
         with_env BURN_CONNECTIVITY_TABLE_PROJECTION=matmul profile mhc

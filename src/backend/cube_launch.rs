@@ -94,9 +94,9 @@ pub(crate) enum ProductPath {
 }
 
 /// Entries of a unit's row whose loads the row gradient's pass over a weight tile issues
-/// together (`tiled_row_gradient`): one entry at a time, each entry's loads of the row, the
-/// earlier gradient and the block input's gradient waited for in turn (not yet measured on a
-/// GPU).
+/// together (`tiled_row_gradient`), rather than one entry at a time, each entry's loads of the
+/// row, the earlier gradient and the block input's gradient waited for in turn (not yet
+/// measured on a GPU).
 const ROW_GRADIENT_BATCH: usize = 4;
 
 /// Rows per step of [`weights_product`]'s loop: their loads of `x` issued together, so a unit
@@ -1071,8 +1071,8 @@ pub(crate) mod kernels {
             sync_cube();
             if live {
                 // The unit's entries `in_group + e · group` in batches, each batch's loads
-                // issued before its products: one entry at a time, each waited for its three
-                // loads in turn.
+                // issued before its products (one entry at a time, each entry waited for its
+                // three loads in turn).
                 for first_entry in 0..comptime!(threads / group / batch) {
                     let mut xs = Array::<A>::new(batch);
                     let mut earlier = Array::<A>::new(batch);
@@ -1404,7 +1404,7 @@ mod tests {
         for columns in 4..=80 {
             let padded = tile_padding(columns, 4, TilePadding::Vector);
             assert!(
-                padded >= columns && padded % 4 == 0,
+                padded >= columns && padded.is_multiple_of(4),
                 "C = {columns}: {padded}"
             );
             assert!(padded < columns + 8, "C = {columns}: {padded}");

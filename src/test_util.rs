@@ -319,14 +319,16 @@ pub fn assert_table_kernels_match_composed<M: crate::multi_stream::MultiStream>(
     let run = |ops: fn() -> LayerOps| table_results(connectivity, units, ops, &parameters);
     let composed = run(LayerOps::composed);
     // The kernels' default forms, then the other forms a GPU measurement may pick
-    // (`cube_launch::Knobs`): 16 units per row with one row per step of the weights' product
-    // and one entry at a time in the row gradient's pass over tiles of odd padding, and the
+    // (`cube_launch::Knobs`): 16 units per row in cubes of 128 units (a tile's entries; the
+    // default cubes have twice as many) with one row per step of the weights' product and one
+    // entry at a time in the row gradient's pass over tiles of odd padding, and the
     // gated table's weights staged in shared memory for 4 rows per cube; then Burn's matmul for
     // every product with the weights, and the gated weights read directly for 2 rows per cube. (Two units per row unroll 64 entries per unit: lavapipe took 20 minutes
     // to compile those kernels for these tests.)
     let tiled = Knobs {
         row_group: 16,
         row_gradient_batch: 1,
+        tile_units: 128,
         tile_padding: TilePadding::Odd,
         weights_product: ProductPath::Kernel { rows_per_step: 1 },
         gated_weights: GatedWeights::Staged,

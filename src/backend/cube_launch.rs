@@ -79,8 +79,10 @@ pub(crate) fn per_element(like: &CubeTensor, len: usize) -> (CubeCount, CubeDim)
     (calculate_cube_count_elemwise(&like.client, len, dim), dim)
 }
 
-/// Shared memory a cube of the tiled row kernels may use (below the 32 kB every backend offers).
-const TILE_SHARED_BYTES: usize = 24 * 1024;
+/// Shared memory a cube of the tiled row kernels may use (below the 32 kB every backend offers):
+/// at 256 units a cube, mHC's forward keeps 25 sums a unit (25.6 kB in f32) beside its rows'
+/// `H_pre`.
+const TILE_SHARED_BYTES: usize = 28 * 1024;
 
 /// Units that stride one row in the tiled row kernels.
 const ROW_GROUP: usize = 8;
@@ -135,6 +137,11 @@ pub(crate) enum GatedWeights {
 ///   whose loads the row gradient's pass over a tile issues together, a power of two from 1
 ///   (the pass before, one entry at a time) to 16 (default [`ROW_GRADIENT_BATCH`]; capped at
 ///   the unit's entries a tile);
+/// - `tile_units`, `BURN_CONNECTIVITY_TILE_UNITS`: units per cube of the tiled row kernels, at
+///   most, a power of two from 32 to 1024 (default [`MOST_TILE_THREADS`]; 128 is the form
+///   before); a tile holds at most [`MOST_TILE_ENTRIES`] entries of `w` whatever the cube's
+///   size, so more units a cube are more rows sharing each tile (fewer cubes reading all of
+///   `W`) at the same work a unit; fewer where the cube's sums would pass its shared memory;
 /// - `tile_padding`, `BURN_CONNECTIVITY_TILE_PADDING`: `odd` (the tiles before) or `vector`
 ///   (default), the distance between a weight tile's entries in the tiled row kernels
 ///   ([`TilePadding`]);
@@ -166,6 +173,7 @@ pub(crate) enum GatedWeights {
 pub(crate) struct Knobs {
     pub row_group: usize,
     pub row_gradient_batch: usize,
+    pub tile_units: usize,
     pub tile_padding: TilePadding,
     pub weights_product: ProductPath,
     pub table_projection: ProjectionPath,
@@ -184,6 +192,7 @@ impl Default for Knobs {
         Self {
             row_group: ROW_GROUP,
             row_gradient_batch: ROW_GRADIENT_BATCH,
+            tile_units: MOST_TILE_THREADS,
             tile_padding: TilePadding::Vector,
             weights_product: ProductPath::Kernel {
                 rows_per_step: PRODUCT_ROWS_PER_STEP,
@@ -216,6 +225,11 @@ impl Knobs {
             .ok()
             .filter(|batch| batch.is_power_of_two() && *batch <= 16)
             .unwrap_or(defaults.row_gradient_batch);
+        let tile_units = read("BURN_CONNECTIVITY_TILE_UNITS")
+            .parse::<usize>()
+            .ok()
+            .filter(|units| units.is_power_of_two() && (32..=1024).contains(units))
+            .unwrap_or(defaults.tile_units);
         let tile_padding = match read("BURN_CONNECTIVITY_TILE_PADDING").as_str() {
             "odd" => TilePadding::Odd,
             _ => defaults.tile_padding,
@@ -247,6 +261,7 @@ impl Knobs {
         Self {
             row_group,
             row_gradient_batch,
+            tile_units,
             tile_padding,
             weights_product,
             table_projection,
@@ -308,8 +323,14 @@ pub(crate) fn with_each_knobs<R, const N: usize>(
     })
 }
 
-/// Units per cube of the tiled row kernels (at most).
-const MOST_TILE_THREADS: usize = 128;
+/// Units per cube of the tiled row kernels (at most; the `tile_units` knob, [`Knobs`]): twice a
+/// tile's entries, so that 32 rows of mHC's table share each tile of `Φ` rather than 16, and
+/// the cubes read `Φ` half as often in all (the form before, 128, is the knob's; not yet
+/// measured on a GPU).
+const MOST_TILE_THREADS: usize = 256;
+
+/// Entries of `w` a weight tile of the tiled row kernels holds (at most; fewer in a smaller cube).
+const MOST_TILE_ENTRIES: usize = 128;
 
 /// How far apart a weight tile's entries `W[j, ·]` lie in shared memory (see [`RowTiles`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -333,26 +354,31 @@ pub(crate) fn tile_padding(columns: usize, element: usize, padding: TilePadding)
 
 /// The launch of a kernel that projects several rows of `x [R, w]` per cube through a
 /// `[w, C]` weight matrix read in tiles: `threads` units, `group` of them per row, so
-/// `rows_per_cube = threads / group` rows share each tile of `threads` entries of `w`, held in
-/// shared memory `padded` apart (see [`tile_padding`]).
+/// `rows_per_cube = threads / group` rows share each tile of `entries` entries of `w` (all
+/// `threads` units load it), held in shared memory `padded` apart (see [`tile_padding`]). Each
+/// unit takes `entries / group` entries of its row a tile.
 ///
 /// Per row, the weights cost one pass over `w·C` values; a cube per row made every row stream
-/// the whole matrix again (24× the row's own bytes for mHC's `C = 24`).
+/// the whole matrix again (24× the row's own bytes for mHC's `C = 24`). Per cube they are read
+/// in full once: `R / rows_per_cube` reads of `W` in all (151 MB for mHC's forward at the model
+/// workload, 16 rows a cube), which the fifth lease's times followed (more units a row, fewer
+/// rows a cube: slower in proportion, BENCHMARKS.md).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub(crate) struct RowTiles {
     pub threads: usize,
     pub group: usize,
+    pub entries: usize,
     pub padded: usize,
     /// Entries of the shared buffer that holds the tile, then the per-unit sums.
     pub shared: usize,
     /// Entries of a unit's row whose loads [`tiled_row_gradient`](kernels::tiled_row_gradient)
-    /// issues together (the `row_gradient_batch` knob, at most `threads / group`: both powers
+    /// issues together (the `row_gradient_batch` knob, at most `entries / group`: both powers
     /// of two, so it divides them).
     pub batch: usize,
 }
 
 impl RowTiles {
-    /// The largest cube (a power of two, up to [`MOST_TILE_THREADS`]) whose tile, `slots`
+    /// The largest cube (a power of two, up to the `tile_units` knob) whose tile, `slots`
     /// partial sums per unit and `per_row` more entries per row fit the shared memory.
     pub(crate) fn new(like: &CubeTensor, columns: usize, slots: usize, per_row: usize) -> Self {
         let hardware = &like.client.properties().hardware;
@@ -374,18 +400,21 @@ impl RowTiles {
         };
         let budget = TILE_SHARED_BYTES.min(device_bytes) / element;
         let padded = tile_padding(columns, element, knobs().tile_padding);
-        let most = MOST_TILE_THREADS
+        let most = knobs()
+            .tile_units
             .min(hardware.max_units_per_cube as usize)
             .max(1);
         let mut threads = 1 << most.ilog2();
         loop {
             let group = knobs().row_group.min(threads);
+            let entries = threads.min(MOST_TILE_ENTRIES);
             let tiles = Self {
                 threads,
                 group,
+                entries,
                 padded,
-                shared: (threads * padded).max(threads * slots),
-                batch: knobs().row_gradient_batch.min(threads / group),
+                shared: (entries * padded).max(threads * slots),
+                batch: knobs().row_gradient_batch.min(entries / group),
             };
             if tiles.shared + tiles.rows_per_cube() * per_row <= budget || threads == 1 {
                 return tiles;
@@ -745,13 +774,14 @@ pub(crate) mod kernels {
         value
     }
 
-    /// Entries `start .. start + threads` of `weights [w, columns]` (any strides: `contiguous`
+    /// Entries `start .. start + entries` of `weights [w, columns]` (any strides: `contiguous`
     /// says whether they are `[columns, 1]`) into `tile`, `padded` apart, zero past `w`. The
     /// units read consecutive addresses in either layout. The cube must have `threads` units
-    /// (every caller launches it so).
+    /// (every caller launches it so), at least `entries`.
     ///
-    /// The tile has `threads · columns` entries, so each unit loads exactly `columns` of them,
-    /// all issued before the first is stored: a loop of load-then-store pairs waits one load's
+    /// The tile has `entries · columns` values, so each unit loads `⌈entries · columns /
+    /// threads⌉` of them (`columns` where `entries = threads`), all issued before the first is
+    /// stored: a loop of load-then-store pairs waits one load's
     /// latency per entry (24 a tile for mHC) unless the GPU's compiler unrolls it, and the
     /// tiled row kernels' few rows per cube leave a GPU few other units to hide it with.
     #[cube]
@@ -761,43 +791,59 @@ pub(crate) mod kernels {
         tile: &mut Shared<[A]>,
         #[comptime] columns: usize,
         #[comptime] threads: usize,
+        #[comptime] entries: usize,
         #[comptime] padded: usize,
         #[comptime] contiguous: bool,
     ) {
         let width = weights.shape(0);
         let unit = UNIT_POS as usize;
-        let mut values = Array::<A>::new(columns);
+        let values_len = comptime!(entries * columns);
+        let loads = comptime!(values_len.div_ceil(threads));
+        // Whether the last load's index may pass the tile (never where `entries = threads`).
+        let ragged = comptime!(!values_len.is_multiple_of(threads));
+        let mut values = Array::<A>::new(loads);
         #[unroll]
-        for i in 0..columns {
-            let (entry, c) = tile_place(unit, i, columns, threads, contiguous);
+        for i in 0..loads {
+            let (entry, c) = tile_place(unit, i, columns, threads, entries, contiguous);
             let j = start + entry;
             let mut value = A::new(0.0);
-            if j < width {
+            let mut inside = j < width;
+            if comptime!(ragged) {
+                inside = inside && unit + comptime!(i * threads) < values_len;
+            }
+            if inside {
                 value = A::cast_from(weight_at::<E>(weights, j, c, columns, contiguous));
             }
             values[i] = value;
         }
         #[unroll]
-        for i in 0..columns {
-            let (entry, c) = tile_place(unit, i, columns, threads, contiguous);
-            tile[entry * padded + c] = values[i];
+        for i in 0..loads {
+            let (entry, c) = tile_place(unit, i, columns, threads, entries, contiguous);
+            if comptime!(ragged) {
+                if unit + comptime!(i * threads) < values_len {
+                    tile[entry * padded + c] = values[i];
+                }
+            } else {
+                tile[entry * padded + c] = values[i];
+            }
         }
     }
 
     /// `(entry, column)` of load `i` of `unit` in [`load_weight_tile`]: index `unit + i ·
-    /// threads` of the tile in the weights' own order, so that consecutive units read
-    /// consecutive addresses.
+    /// threads` of the tile (`entries · columns` values) in the weights' own order, so that
+    /// consecutive units read consecutive addresses.
     #[cube]
     fn tile_place(
         unit: usize,
         #[comptime] i: usize,
         #[comptime] columns: usize,
         #[comptime] threads: usize,
+        #[comptime] entries: usize,
         #[comptime] contiguous: bool,
     ) -> (usize, usize) {
         let index = unit + comptime!(i * threads);
-        let mut entry = index % threads;
-        let mut c = index / threads;
+        let mut entry = index % entries;
+        let mut c = index / entries;
         if comptime!(contiguous) {
             entry = index / columns;
             c = index % columns;
@@ -805,7 +851,7 @@ pub(crate) mod kernels {
         (entry, c)
     }
 
-    /// The unit's entries `start + in_group + e · group` (`e < threads / group`) of its row of
+    /// The unit's entries `start + in_group + e · group` (`e < entries / group`) of its row of
     /// `rows [R, width]`, zero past `width` or for a row past the last, into `xs`.
     ///
     /// All are loaded before any is used, so a unit has them in flight together: a cube's few
@@ -826,7 +872,7 @@ pub(crate) mod kernels {
         let group = comptime!(tiles.group);
         let in_group = UNIT_POS as usize % group;
         #[unroll]
-        for e in 0..comptime!(tiles.threads / group) {
+        for e in 0..comptime!(tiles.entries / group) {
             let j = start + in_group + e * group;
             let mut x = A::new(0.0);
             if live && j < width {
@@ -838,20 +884,17 @@ pub(crate) mod kernels {
 
     /// For the cube's rows `first + r` of `rows [R, w]` (`r < threads / group`, `group`
     /// consecutive units each): `x W` (`columns` entries, `W [w, columns]` read in tiles of
-    /// `threads` entries of `w`, see [`RowTiles`](super::RowTiles)), then `‖x‖²`, then for
-    /// `views > 0` the products `⟨x[k], other[r]⟩` of the row's `views` equal parts with the
-    /// row of `other [R, w / views]`. Row `r`'s `columns + 1 + views` totals end at
-    /// `shared[r · group · slots]` (the tile shares the buffer: `shared` entries of it).
+    /// `entries` entries of `w`, see [`RowTiles`](super::RowTiles)), then `‖x‖²`. Row `r`'s
+    /// `columns + 1` totals end at `shared[r · group · (columns + 1)]` (the tile shares the
+    /// buffer: `shared` entries of it).
     #[cube]
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn tiled_projection<E: Float, A: Float>(
         rows: &Tensor<E>,
         weights: &Tensor<E>,
-        other: &Tensor<E>,
         first: usize,
         shared: &mut Shared<[A]>,
         #[comptime] columns: usize,
-        #[comptime] views: usize,
         #[comptime] tiles: RowTiles,
         #[comptime] contiguous: bool,
     ) {
@@ -860,54 +903,40 @@ pub(crate) mod kernels {
         let padded = comptime!(tiles.padded);
         let width = rows.shape(1);
         let unit = UNIT_POS as usize;
-        let slots = comptime!(columns + 1 + views);
+        let slots = comptime!(columns + 1);
         let in_group = unit % group;
         let row = first + unit / group;
         let live = row < rows.shape(0);
-        let view_width = width / comptime!(views.max(1));
         // Unrolled: the partial sums stay in registers.
         let mut partial = Array::<A>::new(slots);
         #[unroll]
         for s in 0..slots {
             partial[s] = A::new(0.0);
         }
-        let per_unit = comptime!(threads / group);
+        let entries = comptime!(tiles.entries);
+        let per_unit = comptime!(entries / group);
         let mut xs = Array::<A>::new(per_unit);
         let mut start = 0usize;
         while start < width {
             row_entries::<E, A>(rows, width, row, live, start, &mut xs, tiles);
-            load_weight_tile::<E, A>(weights, start, shared, columns, threads, padded, contiguous);
+            load_weight_tile::<E, A>(
+                weights, start, shared, columns, threads, entries, padded, contiguous,
+            );
             sync_cube();
             if live {
                 #[unroll]
                 for e in 0..per_unit {
                     let entry = in_group + e * group;
-                    let j = start + entry;
                     let x = xs[e];
                     #[unroll]
                     for c in 0..columns {
                         partial[c] += x * shared[entry * padded + c];
                     }
                     partial[columns] += x * x;
-                    if comptime!(views > 0) {
-                        // Past the row's end `x` is zero and has no view to add to.
-                        let inside = j < width;
-                        if inside {
-                            let view = j / view_width;
-                            let product =
-                                x * A::cast_from(other[row * view_width + j % view_width]);
-                            #[unroll]
-                            for k in 0..views {
-                                if view == k {
-                                    partial[comptime!(columns + 1) + k] += product;
-                                }
-                            }
-                        }
-                    }
                 }
             }
             sync_cube();
-            start += threads;
+            start += entries;
         }
         #[unroll]
         for s in 0..slots {
@@ -948,15 +977,15 @@ pub(crate) mod kernels {
         let row = first + unit / group;
         let live = row < rows.shape(0);
         let mut partial = A::new(0.0);
-        let mut xs = Array::<A>::new(comptime!(tiles.threads / group));
+        let mut xs = Array::<A>::new(comptime!(tiles.entries / group));
         let mut start = 0usize;
         while start < width {
             row_entries::<E, A>(rows, width, row, live, start, &mut xs, tiles);
             #[unroll]
-            for e in 0..comptime!(tiles.threads / group) {
+            for e in 0..comptime!(tiles.entries / group) {
                 partial += xs[e] * xs[e];
             }
-            start += comptime!(tiles.threads);
+            start += comptime!(tiles.entries);
         }
         shared[unit] = partial;
         sync_cube();
@@ -1065,15 +1094,18 @@ pub(crate) mod kernels {
         let live = row < rows.shape(0);
         let view_width = width / comptime!(views.max(1));
         let batch = comptime!(tiles.batch);
+        let entries = comptime!(tiles.entries);
         let mut start = 0usize;
         while start < width {
-            load_weight_tile::<E, A>(weights, start, shared, columns, threads, padded, contiguous);
+            load_weight_tile::<E, A>(
+                weights, start, shared, columns, threads, entries, padded, contiguous,
+            );
             sync_cube();
             if live {
                 // The unit's entries `in_group + e · group` in batches, each batch's loads
                 // issued before its products (one entry at a time, each entry waited for its
                 // three loads in turn).
-                for first_entry in 0..comptime!(threads / group / batch) {
+                for first_entry in 0..comptime!(entries / group / batch) {
                     let mut xs = Array::<A>::new(batch);
                     let mut earlier = Array::<A>::new(batch);
                     let mut added = Array::<A>::new(batch);
@@ -1128,7 +1160,7 @@ pub(crate) mod kernels {
                 }
             }
             sync_cube();
-            start += threads;
+            start += entries;
         }
     }
 
@@ -1363,6 +1395,7 @@ mod tests {
         let every = read(&[
             ("BURN_CONNECTIVITY_ROW_GROUP", "16"),
             ("BURN_CONNECTIVITY_ROW_GRADIENT_BATCH", "16"),
+            ("BURN_CONNECTIVITY_TILE_UNITS", "512"),
             ("BURN_CONNECTIVITY_TILE_PADDING", "odd"),
             ("BURN_CONNECTIVITY_WEIGHTS_PRODUCT", "matmul"),
             ("BURN_CONNECTIVITY_TABLE_PROJECTION", "matmul"),
@@ -1372,6 +1405,7 @@ mod tests {
         let expected = Knobs {
             row_group: 16,
             row_gradient_batch: 16,
+            tile_units: 512,
             tile_padding: TilePadding::Odd,
             weights_product: ProductPath::Matmul,
             table_projection: ProjectionPath::Matmul,
@@ -1387,6 +1421,7 @@ mod tests {
         let out_of_range = read(&[
             ("BURN_CONNECTIVITY_ROW_GROUP", "1"),
             ("BURN_CONNECTIVITY_ROW_GRADIENT_BATCH", "3"),
+            ("BURN_CONNECTIVITY_TILE_UNITS", "16"),
             ("BURN_CONNECTIVITY_TILE_PADDING", "even"),
             ("BURN_CONNECTIVITY_WEIGHTS_PRODUCT", "3"),
             ("BURN_CONNECTIVITY_TABLE_PROJECTION", "tile"),

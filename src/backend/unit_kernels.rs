@@ -750,9 +750,24 @@ mod tests {
     /// The projection kernels against the composed tensor ops on wgpu, forward and both
     /// gradients: the three row scales (HC's floor, mHC's offset, the RMS scale's `ε` inside
     /// the root), widths below and above the cube's units, more columns than units, rows of
-    /// norms from 1e-2 to 1e2, transposed rows, a zero row.
+    /// norms from 1e-2 to 1e2, transposed rows, transposed weights (read through their
+    /// strides), a zero row; in cubes of up to 256 units (the
+    /// default), where a tile of 128 entries is loaded by twice as many units (for 1 and 3
+    /// columns the last load of a unit passes the tile), and of 128.
     #[test]
     fn projection_kernels_match_the_composed_operations() {
+        use crate::backend::{Knobs, with_each_knobs};
+        let narrow = Knobs {
+            tile_units: 128,
+            ..Knobs::default()
+        };
+        let mut cases = ["cubes of up to 256 units", "cubes of 128 units"].into_iter();
+        with_each_knobs([Knobs::default(), narrow], || {
+            projection_kernels_match(cases.next().unwrap_or_default());
+        });
+    }
+
+    fn projection_kernels_match(case: &str) {
         let device = wgpu();
         let hc = |width: usize| RowScale {
             numerator: (width as f64).sqrt(),
@@ -768,14 +783,17 @@ mod tests {
         };
         // A large ε (0.3) so that the root's offset matters at these norms.
         let rms = |width: usize| RowScale::rms(width, 0.3);
-        for (count, width, columns, transposed, scale) in [
-            (70, 24, 6, false, hc(24)),
-            (9, 300, 6, false, hc(300)),
-            (33, 1024, 24, false, mhc(1024)),
-            (5, 8, 1, true, hc(8)),
-            (40, 10, 80, true, mhc(10)),
-            (33, 1024, 24, false, rms(1024)),
-            (12, 10, 3, true, rms(10)),
+        // (rows, width, columns, rows transposed, scale, weights transposed)
+        for (count, width, columns, transposed, scale, transposed_weights) in [
+            (70, 24, 6, false, hc(24), false),
+            (9, 300, 6, false, hc(300), false),
+            (33, 1024, 24, false, mhc(1024), false),
+            (5, 8, 1, true, hc(8), false),
+            (40, 10, 80, true, mhc(10), false),
+            (33, 1024, 24, false, rms(1024), false),
+            (12, 10, 3, true, rms(10), false),
+            (6, 200, 1, false, hc(200), true),
+            (12, 300, 3, false, rms(300), true),
         ] {
             let magnitudes: Vec<f32> = (0..count)
                 .map(|r| {
@@ -793,7 +811,11 @@ mod tests {
             } else {
                 random([count, width], 2, &device)
             } * magnitudes;
-            let weights = random([width, columns], 3, &device);
+            let weights = if transposed_weights {
+                random([columns, width], 3, &device).transpose()
+            } else {
+                random([width, columns], 3, &device)
+            };
             let probe = random([count, columns], 4, &device);
             // ∂rows in the rows' own scale (∂x ∝ s(‖x‖)): the zero row's (s up to 1e12) would
             // otherwise set the tolerance of every other row's.
@@ -813,7 +835,7 @@ mod tests {
             assert_all_close(
                 &kernel,
                 &composed,
-                &format!("R={count} w={width} C={columns}"),
+                &format!("{case}: R={count} w={width} C={columns}"),
             );
         }
     }

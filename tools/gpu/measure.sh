@@ -34,10 +34,12 @@
 #                   $PRODUCTS (default "matmul 1"; BURN_CONNECTIVITY_WEIGHTS_PRODUCT): Burn's
 #                   matmul, or the crate's kernels with that many rows per step (default 8;
 #                   1 is the kernel the fifth lease measured)
-#   profile-tiles   the same for mHC with the tiled row kernels' earlier forms: the row
-#                   gradient one entry at a time (BURN_CONNECTIVITY_ROW_GRADIENT_BATCH=1), then
-#                   also the tiles' odd padding (BURN_CONNECTIVITY_TILE_PADDING=odd), against
-#                   the defaults (4 entries a batch, 16-byte aligned entries) in cuda-profile
+#   profile-tiles   the same for mHC with the tiled row kernels' earlier forms, each on the
+#                   one before: cubes of 128 units (BURN_CONNECTIVITY_TILE_UNITS=128), then the
+#                   row gradient one entry at a time (BURN_CONNECTIVITY_ROW_GRADIENT_BATCH=1),
+#                   then the tiles' odd padding (BURN_CONNECTIVITY_TILE_PADDING=odd), against
+#                   the defaults (256 units, 4 entries a batch, 16-byte aligned entries) in
+#                   cuda-profile
 #   profile-projection  the same for mHC with Burn's matmul for the normalised table's products
 #                   with its weights (BURN_CONNECTIVITY_TABLE_PROJECTION=matmul: forward xΦ,
 #                   backward (s δ)Φᵀ), then with the weights' gradient through the matmul too
@@ -295,10 +297,13 @@ run_stage() {
             with_env BURN_CONNECTIVITY_WEIGHTS_PRODUCT="$product" profile hc,mhc
         done ;;
     profile-tiles)
-        echo "## row gradient batch 1" >>"$OUT/profile.log"
-        with_env BURN_CONNECTIVITY_ROW_GRADIENT_BATCH=1 profile mhc
-        echo "## row gradient batch 1, tile padding odd" >>"$OUT/profile.log"
-        with_env BURN_CONNECTIVITY_ROW_GRADIENT_BATCH=1 \
+        echo "## tile units 128" >>"$OUT/profile.log"
+        with_env BURN_CONNECTIVITY_TILE_UNITS=128 profile mhc
+        echo "## tile units 128, row gradient batch 1" >>"$OUT/profile.log"
+        with_env BURN_CONNECTIVITY_TILE_UNITS=128 \
+            with_env BURN_CONNECTIVITY_ROW_GRADIENT_BATCH=1 profile mhc
+        echo "## tile units 128, row gradient batch 1, tile padding odd" >>"$OUT/profile.log"
+        with_env BURN_CONNECTIVITY_TILE_UNITS=128 with_env BURN_CONNECTIVITY_ROW_GRADIENT_BATCH=1 \
             with_env BURN_CONNECTIVITY_TILE_PADDING=odd profile mhc ;;
     profile-projection)
         echo "## table projection matmul" >>"$OUT/profile.log"

@@ -580,7 +580,16 @@ mod kernels {
     ) {
         if comptime!(staged) {
             let padded = comptime!(columns | 1);
-            load_weight_tile::<E, A>(mixing_weights, start, tile, columns, threads, padded, true);
+            load_weight_tile::<E, A>(
+                mixing_weights,
+                start,
+                tile,
+                columns,
+                threads,
+                threads,
+                padded,
+                true,
+            );
             sync_cube();
         }
     }
@@ -1344,11 +1353,9 @@ mod kernels {
             tiled_projection::<E, A>(
                 rows,
                 weights,
-                rows,
                 first,
                 &mut shared,
                 columns,
-                0usize,
                 tiles,
                 contiguous_weights,
             );

@@ -431,11 +431,9 @@ mod kernels {
         tiled_projection::<E, A>(
             rows,
             weights,
-            rows,
             first,
             &mut shared,
             columns,
-            0usize,
             tiles,
             contiguous_weights,
         );

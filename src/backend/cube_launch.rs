@@ -819,11 +819,11 @@ pub(crate) mod kernels {
         #[unroll]
         for i in 0..loads {
             let (entry, c) = tile_place(unit, i, columns, threads, entries, contiguous);
+            let mut inside = true;
             if comptime!(ragged) {
-                if unit + comptime!(i * threads) < values_len {
-                    tile[entry * padded + c] = values[i];
-                }
-            } else {
+                inside = unit + comptime!(i * threads) < values_len;
+            }
+            if inside {
                 tile[entry * padded + c] = values[i];
             }
         }
